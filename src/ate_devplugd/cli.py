@@ -1,0 +1,155 @@
+"""Command line: ``ate-devplugd [run] | check-config | probe``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from ate_devplugd import __version__
+from ate_devplugd import config as configmod
+from ate_devplugd.config import DEFAULT_CONFIG_PATH, DEFAULT_PLUGIN_DIR, ConfigError
+
+EX_OK = 0
+EX_FAILURE = 1
+EX_USAGE = 2
+EX_CONFIG = 78
+
+DESCRIPTION = """\
+Advertise host device nodes (by default /dev/kvm) to kubelet as extended resources, so a pod that
+requests e.g. `ate.dev/kvm: 1` gets that one device node and the matching cgroup allow rule, without
+running privileged. Runs as a systemd service (Type=notify); see ate-devplugd(8) and
+ate-devplugd.toml(5).
+"""
+
+EPILOG = f"""\
+commands:
+  run            the daemon (the default when no command is given)
+  check-config   validate the config, print the effective config; exit 78 on errors
+  probe          query every plugin socket as kubelet would and print what the node offers
+
+examples:
+  ate-devplugd check-config --config /etc/ate-devplugd/config.toml
+  ate-devplugd run --log-target console --log-level debug
+  ate-devplugd probe
+
+exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
+             1 probe found a socket that does not answer.
+default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
+"""
+
+COMMANDS = ("run", "check-config", "probe")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ate-devplugd",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ate-devplugd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config",
+            type=Path,
+            metavar="PATH",
+            help=f"config file (default {DEFAULT_CONFIG_PATH}, if it exists)",
+        )
+
+    run = sub.add_parser("run", help="run the daemon (default)")
+    add_config(run)
+    run.add_argument(
+        "--plugin-dir", metavar="DIR", help=f"kubelet's device-plugin directory ({DEFAULT_PLUGIN_DIR})"
+    )
+    run.add_argument("--dev-root", metavar="DIR", help="look device paths up under DIR (default /)")
+    run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
+    run.add_argument(
+        "--log-target",
+        choices=("auto", "journal", "console"),
+        default="auto",
+        help="auto: journald when started by systemd, else stderr",
+    )
+
+    check = sub.add_parser("check-config", help="validate the config and print the effective config")
+    add_config(check)
+
+    probe = sub.add_parser("probe", help="query every plugin socket as kubelet would")
+    add_config(probe)
+    probe.add_argument("--plugin-dir", metavar="DIR", help="directory to probe (default: from the config)")
+    probe.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call timeout")
+    return parser
+
+
+def _config_error(exc: ConfigError) -> int:
+    for line in exc.errors:
+        print(f"ate-devplugd: config error: {line}", file=sys.stderr)
+    return EX_CONFIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in args_in if not a.startswith("-")), None)
+    wants_top = any(a in ("-h", "--help", "--version") for a in args_in) and first is None
+    if first not in COMMANDS and not wants_top:
+        args_in.insert(0, "run")
+    args = _parser().parse_args(args_in)
+
+    try:
+        cfg = configmod.load(args.config)
+        if args.command == "run":
+            overrides = {
+                "plugin_dir": args.plugin_dir,
+                "dev_root": args.dev_root,
+                "log_level": args.log_level,
+            }
+            cfg = cfg.with_overrides(**overrides)
+        elif args.command == "probe" and args.plugin_dir:
+            cfg = cfg.with_overrides(plugin_dir=args.plugin_dir)
+    except ConfigError as exc:
+        return _config_error(exc)
+
+    if args.command == "check-config":
+        sys.stdout.write(configmod.render(cfg))
+        return EX_OK
+    if args.command == "probe":
+        return _probe(cfg, args.timeout)
+    return _run(cfg, args)
+
+
+def _probe(cfg: configmod.Config, timeout: float) -> int:
+    from ate_devplugd import nodeprobe  # noqa: PLC0415 - keeps `check-config` free of grpc
+
+    ours = {dev.socket_name: dev.resource for dev in cfg.devices}
+    try:
+        rows = asyncio.run(nodeprobe.probe_all(cfg.plugin_dir, ours, timeout))
+    except OSError as exc:
+        print(f"ate-devplugd: cannot read {cfg.plugin_dir}: {exc.strerror}", file=sys.stderr)
+        return EX_FAILURE
+    if not rows:
+        print(f"no plugin sockets in {cfg.plugin_dir}")
+        return EX_FAILURE
+    print(nodeprobe.render(rows))
+    return EX_FAILURE if any(row.error for row in rows) else EX_OK
+
+
+def _run(cfg: configmod.Config, args: argparse.Namespace) -> int:
+    from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon
+    from ate_devplugd.systemd import setup_logging  # noqa: PLC0415
+
+    setup_logging(args.log_target, cfg.log_level)
+    log = logging.getLogger("ate_devplugd")
+    overrides = {"plugin_dir": args.plugin_dir, "dev_root": args.dev_root, "log_level": args.log_level}
+
+    def reload_config() -> configmod.Config:
+        return configmod.load(args.config).with_overrides(**overrides)
+
+    log.info(
+        "ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir
+    )
+    daemon = Daemon(cfg, reload_config=reload_config)
+    return asyncio.run(daemon.run())

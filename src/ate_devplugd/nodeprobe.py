@@ -1,0 +1,93 @@
+"""``ate-devplugd probe``: ask every plugin socket what kubelet would, and print what the node offers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import posixpath
+import stat
+from dataclasses import dataclass
+
+import grpc
+
+from ate_devplugd._pb import api_pb2, api_pb2_grpc
+from ate_devplugd.devices import HEALTHY
+from ate_devplugd.plugin import KUBELET_SOCKET, unix_target
+
+
+@dataclass
+class Row:
+    resource: str
+    socket: str
+    healthy: int = 0
+    total: int = 0
+    grants: str = ""
+    error: str = ""
+
+
+def plugin_sockets(plugin_dir: str) -> list[str]:
+    """Socket files in the directory, kubelet's own excepted."""
+    names = []
+    for name in sorted(os.listdir(plugin_dir)):
+        if name == KUBELET_SOCKET:
+            continue
+        try:
+            if stat.S_ISSOCK(os.lstat(posixpath.join(plugin_dir, name)).st_mode):
+                names.append(name)
+        except OSError:
+            continue
+    return names
+
+
+async def probe_socket(plugin_dir: str, name: str, resource: str | None, timeout: float) -> Row:
+    """GetDevicePluginOptions, the first ListAndWatch message and, for our own sockets, a trial Allocate."""
+    row = Row(resource=resource or "-", socket=name)
+    async with grpc.aio.insecure_channel(unix_target(posixpath.join(plugin_dir, name))) as channel:
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        try:
+            await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=timeout)
+            call = stub.ListAndWatch(api_pb2.Empty())
+            try:
+                first = await asyncio.wait_for(call.read(), timeout)
+            finally:
+                call.cancel()
+            if first is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lacks EOF
+                row.error = "ListAndWatch ended without a device list"
+                return row
+            healthy = [d.ID for d in first.devices if d.health == HEALTHY]
+            row.healthy, row.total = len(healthy), len(first.devices)
+            if resource is None:
+                row.grants = "(not ours: no trial Allocate)"
+            elif not healthy:
+                row.grants = "(no healthy unit to allocate)"
+            else:
+                request = api_pb2.AllocateRequest(
+                    container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[healthy[0]])]
+                )
+                response = await stub.Allocate(request, timeout=timeout)
+                specs = [s for c in response.container_responses[:1] for s in c.devices]
+                row.grants = ", ".join(
+                    f"{s.host_path} -> {s.container_path} ({s.permissions})" for s in specs
+                )
+        except grpc.aio.AioRpcError as exc:
+            row.error = f"{exc.code().name}: {exc.details()}"
+        except TimeoutError:
+            row.error = f"no answer within {timeout:g}s"
+    return row
+
+
+async def probe_all(plugin_dir: str, ours: dict[str, str], timeout: float = 5.0) -> list[Row]:
+    names = plugin_sockets(plugin_dir)
+    return list(await asyncio.gather(*(probe_socket(plugin_dir, n, ours.get(n), timeout) for n in names)))
+
+
+def render(rows: list[Row]) -> str:
+    table = [("RESOURCE", "SOCKET", "HEALTHY/TOTAL", "GRANTS")]
+    for row in rows:
+        units = f"{row.healthy}/{row.total}" if not row.error else "-"
+        table.append((row.resource, row.socket, units, row.grants if not row.error else f"ERROR {row.error}"))
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
+    return "\n".join(
+        "  ".join(cell.ljust(widths[i]) if i < 3 else cell for i, cell in enumerate(r)).rstrip()
+        for r in table
+    )

@@ -1,0 +1,245 @@
+"""One device plugin: the DevicePlugin gRPC service for one resource, its server and its Register call.
+
+Everything runs on the one asyncio loop (grpc.aio). Register is awaited on that loop: kubelet dials our
+socket and calls GetDevicePluginOptions before it answers Register, so the server must be serving and
+the loop free while the call is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ate_devplugd._pb import api_pb2, api_pb2_grpc
+from ate_devplugd.devices import HEALTHY, UNHEALTHY, Resource
+
+log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+#: kubelet itself waits up to 10 s to dial back; a Register slower than this has failed.
+REGISTER_TIMEOUT = 15.0
+#: How long our own server may take to answer its first connection.
+SELF_DIAL_TIMEOUT = 5.0
+
+
+class SocketInUseError(Exception):
+    """Another live process answers on our socket path."""
+
+
+def unix_target(path: str) -> str:
+    return "unix://" + os.path.abspath(path)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """Tells one file from a later file at the same path (inode numbers are reused)."""
+
+    dev: int
+    ino: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str) -> FileIdentity | None:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def _response(resource: Resource) -> api_pb2.ListAndWatchResponse:
+    health = HEALTHY if resource.healthy else UNHEALTHY
+    prefix = resource.config.id_prefix
+    return api_pb2.ListAndWatchResponse(
+        devices=[api_pb2.Device(ID=f"{prefix}{i}", health=health) for i in range(resource.config.count)]
+    )
+
+
+class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
+    """The DevicePlugin service for one resource: N fungible units of one device node."""
+
+    def __init__(self, resource: Resource) -> None:
+        self._resource = resource
+        self._closing = asyncio.Event()
+        self._cache: tuple[int, api_pb2.ListAndWatchResponse] | None = None
+        self.streams = 0
+
+    def close(self) -> None:
+        """End every ListAndWatch stream (the server is going away)."""
+        self._closing.set()
+
+    def snapshot(self) -> api_pb2.ListAndWatchResponse:
+        """The current device list, built once per change."""
+        version = self._resource.version
+        if self._cache is None or self._cache[0] != version:
+            self._cache = (version, _response(self._resource))
+        return self._cache[1]
+
+    async def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: Context
+    ) -> api_pb2.DevicePluginOptions:
+        # Units are identical, so no preferred allocation; nothing to do before a container starts.
+        return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
+
+    async def ListAndWatch(
+        self, request: api_pb2.Empty, context: Context
+    ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        # Returning would make kubelet drop the resource, so this only ends when the server closes
+        # or kubelet cancels (which arrives here as CancelledError and is left to propagate).
+        self.streams += 1
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            while not self._closing.is_set():
+                changed = self._resource.change_event()
+                yield self.snapshot()
+                waiter = asyncio.ensure_future(changed.wait())
+                try:
+                    await asyncio.wait((waiter, closing), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+        finally:
+            closing.cancel()
+            self.streams -= 1
+
+    async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
+        if not request.container_requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Allocate: no container requests")
+        dev = self._resource.config
+        responses = []
+        for index, creq in enumerate(request.container_requests):
+            if not creq.devices_ids:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"Allocate: container request {index} names no device"
+                )
+            for device_id in creq.devices_ids:
+                if not self._resource.is_known_id(device_id):
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"Allocate: unknown device ID {device_id[:80]!r} for {dev.resource}",
+                    )
+            if not self._resource.healthy:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"Allocate: device {creq.devices_ids[0]!r} of {dev.resource} is unhealthy: "
+                    f"{self._resource.presence.reason}",
+                )
+            spec = api_pb2.DeviceSpec(
+                container_path=dev.path, host_path=dev.path, permissions=dev.permissions
+            )
+            responses.append(api_pb2.ContainerAllocateResponse(devices=[spec]))
+        return api_pb2.AllocateResponse(container_responses=responses)
+
+    async def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: Context
+    ) -> api_pb2.PreferredAllocationResponse:
+        # Not advertised (units are identical), but a valid answer if called: the required IDs
+        # first, then any available ones, up to the size asked for.
+        responses = []
+        for creq in request.container_requests:
+            if creq.allocation_size < 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "allocation_size must not be negative")
+            chosen = list(dict.fromkeys(creq.must_include_deviceIDs))
+            taken = set(chosen)
+            for device_id in creq.available_deviceIDs:
+                if len(chosen) >= creq.allocation_size:
+                    break
+                if device_id not in taken:
+                    chosen.append(device_id)
+                    taken.add(device_id)
+            responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+    async def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: Context
+    ) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()
+
+
+def check_socket_free(path: str) -> None:
+    """Remove a stale file at our socket path; raise SocketInUseError if a live process answers there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise SocketInUseError(f"{path} is a directory")
+    if stat.S_ISSOCK(st.st_mode):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise SocketInUseError(f"{path}: cannot tell whether it is in use: {exc.strerror}") from exc
+        else:
+            raise SocketInUseError(f"another process is serving on {path}")
+        finally:
+            probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class PluginServer:
+    """A grpc.aio server for one resource on one unix socket; start() proves it answers."""
+
+    def __init__(self, resource: Resource, socket_path: str) -> None:
+        self.resource = resource
+        self.socket_path = socket_path
+        self.servicer = DevicePluginServicer(resource)
+        self.identity: FileIdentity | None = None
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        check_socket_free(self.socket_path)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        if not server.add_insecure_port(unix_target(self.socket_path)):
+            raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {self.socket_path}")
+        self._server = server
+        await server.start()
+        self.identity = FileIdentity.of(self.socket_path)
+        await self._dial_self()
+
+    async def _dial_self(self) -> None:
+        async with grpc.aio.insecure_channel(unix_target(self.socket_path)) as channel:
+            await asyncio.wait_for(channel.channel_ready(), SELF_DIAL_TIMEOUT)
+
+    def socket_is_ours(self) -> bool:
+        """Whether the file at our socket path is still the one we bound."""
+        return self.identity is not None and FileIdentity.of(self.socket_path) == self.identity
+
+    async def stop(self, grace: float | None = 0.2) -> None:
+        """Stop serving (ending ListAndWatch streams) and remove our socket; safe to call twice."""
+        server, self._server = self._server, None
+        self.servicer.close()
+        if server is not None:
+            await server.stop(grace)
+        if self.socket_is_ours():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+        self.identity = None
+
+
+async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeout: float) -> None:
+    """Register with kubelet, awaited on the loop; raises grpc.aio.AioRpcError on failure."""
+    request = api_pb2.RegisterRequest(
+        version=API_VERSION,
+        endpoint=endpoint,
+        resource_name=resource_name,
+        options=api_pb2.DevicePluginOptions(),
+    )
+    async with grpc.aio.insecure_channel(unix_target(kubelet_socket)) as channel:
+        await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=timeout)

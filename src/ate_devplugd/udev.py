@@ -1,0 +1,129 @@
+"""udev netlink events on the asyncio loop: every event is a hint to re-probe.
+
+The monitor's fd goes on the loop with ``add_reader``; when it is readable every queued event is
+drained with ``poll(timeout=0)`` and the owner is called once for the batch. Lost messages (ENOBUFS)
+are reported as a hint too, so a re-probe puts the state right whatever was dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+#: libudev ignores a udev-source monitor when udevd is not running; this file says whether it is.
+UDEVD_CONTROL = "/run/udev/control"
+RECEIVE_BUFFER = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class UEvent:
+    """The parts of a udev event worth logging."""
+
+    action: str
+    subsystem: str
+    sys_name: str
+    device_node: str | None
+
+
+class MonitorLike(Protocol):
+    """What we use of ``pyudev.Monitor``."""
+
+    def fileno(self) -> int: ...
+    def filter_by(self, subsystem: str) -> None: ...
+    def remove_filter(self) -> None: ...
+    def start(self) -> None: ...
+    def poll(self, timeout: float | None = None) -> Any: ...
+
+
+def default_monitor(context: object) -> tuple[MonitorLike, str]:
+    """A netlink monitor: udev source when udevd runs (events after its rules ran), else kernel."""
+    import pyudev  # noqa: PLC0415 - libudev is loaded only by the daemon
+
+    source = "udev" if os.path.exists(UDEVD_CONTROL) else "kernel"
+    monitor = pyudev.Monitor.from_netlink(context, source=source)
+    try:
+        monitor.set_receive_buffer_size(RECEIVE_BUFFER)
+    except OSError as exc:
+        log.debug("cannot enlarge the netlink receive buffer (%s); lost events only cost a re-probe", exc)
+    return monitor, source
+
+
+class UdevWatcher:
+    """Feeds netlink uevents for a set of subsystems to ``on_hint`` from the event loop."""
+
+    def __init__(
+        self,
+        monitor: MonitorLike,
+        subsystems: Iterable[str],
+        on_hint: Callable[[list[UEvent]], None],
+    ) -> None:
+        self._monitor = monitor
+        self._subsystems = frozenset(subsystems)
+        self._on_hint = on_hint
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
+
+    @property
+    def subsystems(self) -> frozenset[str]:
+        return self._subsystems
+
+    def start(self) -> None:
+        """Start receiving; call before the first probe so no change falls between the two."""
+        for subsystem in sorted(self._subsystems):
+            self._monitor.filter_by(subsystem)
+        self._monitor.start()
+        self._fd = self._monitor.fileno()
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._drain)
+
+    def set_subsystems(self, subsystems: Iterable[str]) -> None:
+        """Change the in-kernel filter (on reload)."""
+        wanted = frozenset(subsystems)
+        if wanted == self._subsystems:
+            return
+        self._monitor.remove_filter()
+        for subsystem in sorted(wanted):
+            self._monitor.filter_by(subsystem)
+        self._subsystems = wanted
+
+    def close(self) -> None:
+        if self._loop is not None and self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+        self._fd = -1
+
+    def _drain(self) -> None:
+        events: list[UEvent] = []
+        lost = False
+        # Bounded: a flood cannot hold the loop; what is left is read on the next wake-up.
+        for _ in range(1024):
+            try:
+                device = self._monitor.poll(timeout=0)
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:
+                    lost = True
+                    continue
+                if exc.errno in (errno.EAGAIN, errno.EINTR):
+                    break
+                raise
+            if device is None:
+                break
+            events.append(
+                UEvent(
+                    action=str(device.action or ""),
+                    subsystem=str(device.subsystem or ""),
+                    sys_name=str(device.sys_name or ""),
+                    device_node=device.device_node,
+                )
+            )
+        if lost:
+            log.warning("udev events were lost (receive buffer full); re-probing every device")
+            events.append(UEvent("lost", "", "", None))
+        if events:
+            self._on_hint(events)

@@ -1,0 +1,88 @@
+"""Test plumbing shared by every suite.
+
+- ``async def`` tests run in a fresh event loop each, under a hard timeout (no plugin needed, so the
+  suite runs the same on Debian's pytest 7 and on current PyPI releases);
+- test order is shuffled; the seed is printed and ``ATE_TEST_SEED=N`` replays an order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TEST_TIMEOUT = float(os.environ.get("ATE_TEST_TIMEOUT", "60"))
+_SEED = int(os.environ.get("ATE_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"test order seed: ATE_TEST_SEED={_SEED}"
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    random.Random(_SEED).shuffle(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    func = pyfuncitem.obj
+    if not inspect.iscoroutinefunction(func):
+        return None
+    names = pyfuncitem._fixtureinfo.argnames
+    kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+
+    async def run() -> None:
+        async with asyncio.timeout(TEST_TIMEOUT):
+            await func(**kwargs)
+
+    asyncio.run(run())
+    return True
+
+
+def _kvm_available() -> bool:
+    return Path("/sys/class/misc/kvm/dev").exists()
+
+
+@pytest.fixture
+def dev_root(tmp_path: Path) -> Path:
+    """A directory standing in for ``/``, holding ``dev/kvm`` as a real character node (10:232)."""
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    if not _kvm_available():
+        pytest.skip("the kernel has no kvm misc device")
+    root = tmp_path / "root"
+    (root / "dev").mkdir(parents=True)
+    make_kvm_node(root)
+    return root
+
+
+def make_kvm_node(root: Path) -> Path:
+    major, minor = (int(x) for x in Path("/sys/class/misc/kvm/dev").read_text().split(":"))
+    node = root / "dev" / "kvm"
+    os.mknod(node, 0o600 | 0o020000, os.makedev(major, minor))
+    return node
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "device-plugins"
+    path.mkdir(mode=0o750)
+    return path
+
+
+@pytest.fixture
+def clean_env() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -1,0 +1,309 @@
+"""A fake kubelet device manager that behaves as kubelet's own code does toward a device plugin.
+
+- start: removes every socket in its directory (not other files), then serves ``kubelet.sock``;
+- Register: checks the version ("v1beta1"), the extended resource name and that the endpoint is a bare
+  file name; dials the endpoint back and calls GetDevicePluginOptions *before* replying; only then
+  opens ListAndWatch, recording every message;
+- a new registration for a resource replaces the old one; one that arrives while the old stream is
+  still open is recorded as ``double-register`` (kubelet 1.32 can then drop the new one);
+- ``restart()`` stops, wipes the sockets and serves a new ``kubelet.sock``.
+
+Tests read ``events`` (an asyncio.Queue) with timeouts. Run as a script it serves a directory and
+appends one JSON line per event to a log file; SIGHUP restarts it, SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import re
+import signal
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+try:
+    from ate_devplugd._pb import api_pb2, api_pb2_grpc
+except ImportError:  # run from a source checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from ate_devplugd._pb import api_pb2, api_pb2_grpc
+
+KUBELET_SOCKET = "kubelet.sock"
+CHECKPOINT = "kubelet_internal_checkpoint"
+DIAL_TIMEOUT = 10.0
+
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*\Z")
+_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]\Z")
+
+
+def extended_resource_name_ok(name: str) -> bool:
+    """kubelet's IsExtendedResourceName, written out independently of the daemon's copy."""
+    if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):
+        return False
+    parts = ("requests." + name).split("/")
+    if len(parts) != 2:
+        return False
+    prefix, rest = parts
+    return (
+        0 < len(rest) <= 63
+        and bool(_NAME.match(rest))
+        and len(prefix) <= 253
+        and bool(_SUBDOMAIN.match(prefix))
+    )
+
+
+@dataclass
+class Event:
+    kind: str
+    resource: str = ""
+    endpoint: str = ""
+    devices: list[tuple[str, str]] = field(default_factory=list)
+    error: str = ""
+    t: float = field(default_factory=time.monotonic)
+
+    @property
+    def healthy(self) -> int:
+        return sum(1 for _, health in self.devices if health == "Healthy")
+
+    @property
+    def total(self) -> int:
+        return len(self.devices)
+
+    @property
+    def ids(self) -> list[str]:
+        return [device_id for device_id, _ in self.devices]
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"t": time.time(), "event": self.kind}
+        if self.resource:
+            out["resource"] = self.resource
+        if self.endpoint:
+            out["endpoint"] = self.endpoint
+        if self.kind == "list":
+            out["healthy"] = self.healthy
+            out["total"] = self.total
+            out["ids_digest"] = hashlib.sha256("\n".join(self.ids).encode()).hexdigest()[:16]
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass
+class Endpoint:
+    resource: str
+    socket_path: str
+    channel: grpc.aio.Channel
+    stub: api_pb2_grpc.DevicePluginStub
+    options: api_pb2.DevicePluginOptions
+    stream_task: asyncio.Task[None] | None = None
+    latest: api_pb2.ListAndWatchResponse | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.stream_task is not None and not self.stream_task.done()
+
+
+class _Registration(api_pb2_grpc.RegistrationServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self._kubelet = kubelet
+
+    async def Register(
+        self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.Empty:
+        return await self._kubelet.handle_register(request, context)
+
+
+class FakeKubelet:
+    def __init__(self, directory: Path | str, *, log: Any = None) -> None:
+        self.dir = Path(directory)
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.history: list[Event] = []
+        self.endpoints: dict[str, Endpoint] = {}
+        self.register_delay = 0.0
+        self.reject_register: str | None = None
+        self._server: grpc.aio.Server | None = None
+        self._log = log
+
+    @property
+    def socket_path(self) -> Path:
+        return self.dir / KUBELET_SOCKET
+
+    def _record(self, ev: Event) -> None:
+        self.history.append(ev)
+        self.events.put_nowait(ev)
+        if self._log is not None:
+            self._log.write(json.dumps(ev.as_json()) + "\n")
+            self._log.flush()
+
+    def wipe(self) -> None:
+        """What kubelet's device manager does at start: remove every socket in the directory."""
+        self.dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        for entry in self.dir.iterdir():
+            if entry.name == CHECKPOINT:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(entry.lstat().st_mode):
+                    entry.unlink()
+
+    async def start(self) -> None:
+        self.wipe()
+        server = grpc.aio.server()
+        api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port("unix://" + str(self.socket_path.resolve()))
+        await server.start()
+        self._server = server
+        self._record(Event("listening"))
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(None)
+        for endpoint in list(self.endpoints.values()):
+            await self._drop(endpoint)
+        self.endpoints.clear()
+
+    async def restart(self) -> None:
+        await self.stop()
+        self._record(Event("restart"))
+        await self.start()
+
+    async def _drop(self, endpoint: Endpoint) -> None:
+        if endpoint.stream_task is not None:
+            endpoint.stream_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await endpoint.stream_task
+        await endpoint.channel.close()
+
+    async def handle_register(
+        self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.Empty:
+        name = request.resource_name
+        if self.register_delay:
+            await asyncio.sleep(self.register_delay)
+        if self.reject_register:
+            self._record(Event("register-rejected", name, error=self.reject_register))
+            await context.abort(grpc.StatusCode.UNKNOWN, self.reject_register)
+        if request.version != "v1beta1":
+            msg = f'requested API version "{request.version}" is not supported by kubelet'
+            self._record(Event("register-rejected", name, error=msg))
+            await context.abort(grpc.StatusCode.UNKNOWN, msg)
+        if not extended_resource_name_ok(name):
+            msg = f'the ResourceName "{name}" is invalid'
+            self._record(Event("register-rejected", name, error=msg))
+            await context.abort(grpc.StatusCode.UNKNOWN, msg)
+        if not request.endpoint or "/" in request.endpoint or request.endpoint in (".", ".."):
+            msg = f"endpoint {request.endpoint!r} is not a file name in {self.dir}"
+            self._record(Event("register-rejected", name, error=msg))
+            await context.abort(grpc.StatusCode.UNKNOWN, msg)
+
+        socket_path = str((self.dir / request.endpoint).resolve())
+        channel = grpc.aio.insecure_channel("unix://" + socket_path)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), DIAL_TIMEOUT)
+            stub = api_pb2_grpc.DevicePluginStub(channel)
+            options = await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=DIAL_TIMEOUT)
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            await channel.close()
+            msg = f"failed to dial device plugin: {exc}"
+            self._record(Event("register-rejected", name, request.endpoint, error=msg))
+            await context.abort(grpc.StatusCode.UNKNOWN, msg)
+
+        old = self.endpoints.get(name)
+        if old is not None and old.streaming:
+            self._record(Event("double-register", name, request.endpoint))
+        endpoint = Endpoint(name, socket_path, channel, stub, options)
+        self.endpoints[name] = endpoint
+        if old is not None:
+            await self._drop(old)
+        self._record(Event("register", name, request.endpoint))
+        # kubelet starts ListAndWatch only after Register has returned.
+        endpoint.stream_task = asyncio.get_running_loop().create_task(self._list_and_watch(endpoint))
+        return api_pb2.Empty()
+
+    async def _list_and_watch(self, endpoint: Endpoint) -> None:
+        await asyncio.sleep(0)
+        call = endpoint.stub.ListAndWatch(api_pb2.Empty())
+        try:
+            async for response in call:
+                endpoint.latest = response
+                self._record(
+                    Event("list", endpoint.resource, devices=[(d.ID, d.health) for d in response.devices])
+                )
+        except grpc.aio.AioRpcError as exc:
+            self._record(Event("stream-ended", endpoint.resource, error=exc.code().name))
+            return
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        self._record(Event("stream-ended", endpoint.resource, error="returned"))
+
+    async def allocate(self, resource: str, *id_lists: list[str]) -> api_pb2.AllocateResponse:
+        endpoint = self.endpoints[resource]
+        request = api_pb2.AllocateRequest(
+            container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in id_lists]
+        )
+        response: api_pb2.AllocateResponse = await endpoint.stub.Allocate(request, timeout=10)
+        return response
+
+    # -- waiting helpers for tests ---------------------------------------------------------------
+    async def next_event(self, *kinds: str, resource: str | None = None, timeout: float = 10.0) -> Event:
+        """The next event of one of ``kinds`` (for ``resource``), skipping others."""
+        async with asyncio.timeout(timeout):
+            while True:
+                ev = await self.events.get()
+                if (not kinds or ev.kind in kinds) and (resource is None or ev.resource == resource):
+                    return ev
+
+    def drain(self) -> list[Event]:
+        out = []
+        while not self.events.empty():
+            out.append(self.events.get_nowait())
+        return out
+
+
+async def _serve_forever(directory: str, log_path: str | None) -> int:
+    log = open(log_path, "a", encoding="utf-8") if log_path else sys.stdout  # noqa: SIM115
+    kubelet = FakeKubelet(directory, log=log)
+    stop = asyncio.Event()
+    restart = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, restart.set)
+    await kubelet.start()
+    while not stop.is_set():
+        stopping = asyncio.ensure_future(stop.wait())
+        restarting = asyncio.ensure_future(restart.wait())
+        await asyncio.wait((stopping, restarting), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        restarting.cancel()
+        if restart.is_set() and not stop.is_set():
+            restart.clear()
+            await kubelet.restart()
+    await kubelet.stop()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(kubelet.socket_path)
+    kubelet._record(Event("stopped"))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="A fake kubelet device manager for tests.")
+    parser.add_argument("--dir", required=True, help="the device-plugin directory to serve")
+    parser.add_argument("--log", help="append JSON lines here (default stdout)")
+    args = parser.parse_args()
+    return asyncio.run(_serve_forever(args.dir, args.log))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

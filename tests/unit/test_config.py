@@ -1,0 +1,148 @@
+"""Config parsing and validation: every error names the field, the table and the value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ate_devplugd import config
+from ate_devplugd.config import Config, ConfigError, DeviceConfig
+
+KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
+
+
+class TestDefaults:
+    def test_empty_file_gives_the_kvm_default(self) -> None:
+        """An empty file means one ate.dev/kvm device of 4096 rw units under the kubelet directory."""
+        cfg = config.parse("")
+        assert cfg.plugin_dir == "/var/lib/kubelet/device-plugins"
+        assert cfg.dev_root == "/"
+        assert cfg.devices == (DeviceConfig("ate.dev/kvm", "/dev/kvm", 4096, "rw", False, None, "misc"),)
+
+    def test_missing_explicit_file_is_an_error(self, tmp_path: Path) -> None:
+        """A --config that does not exist is an error, not silently the defaults."""
+        with pytest.raises(ConfigError, match="cannot read"):
+            config.load(tmp_path / "nope.toml")
+
+    def test_full_device_table(self) -> None:
+        """Every device key is read."""
+        cfg = config.parse(
+            'log_level = "DEBUG"\n[[device]]\nresource = "ate.dev/vhost-net"\npath = "/dev/vhost-net"\n'
+            'count = 16\npermissions = "rwm"\npreopen = true\nprobe = "kvm"\nsubsystem = "misc"\n'
+        )
+        (dev,) = cfg.devices
+        assert (dev.count, dev.permissions, dev.preopen, dev.probe) == (16, "rwm", True, "kvm")
+        assert cfg.log_level == "debug"
+        assert dev.socket_name == "ate.dev-vhost-net.sock"
+        assert dev.id_prefix == "vhost-net-"
+
+    def test_render_round_trips(self) -> None:
+        """check-config's output parses back to the same config."""
+        cfg = config.parse(KVM + '[[device]]\nresource = "x.io/tun"\npath = "/dev/net/tun"\nprobe = "kvm"\n')
+        assert config.parse(config.render(cfg)) == cfg
+
+    def test_overrides_are_validated(self) -> None:
+        """Command-line overrides replace file values and are checked like them."""
+        cfg = Config().with_overrides(plugin_dir="/tmp/x/", log_level="warning")
+        assert cfg.plugin_dir == "/tmp/x"
+        with pytest.raises(ConfigError, match="--dev-root"):
+            Config().with_overrides(dev_root="relative")
+
+
+BAD = [
+    ("unknown top-level key", "colour = 1\n", ["unknown key 'colour'"]),
+    ("unknown device key", KVM + "colour = 1\n", ["device[0] (ate.dev/kvm): unknown key 'colour'"]),
+    ("resource without domain", '[[device]]\nresource = "kvm"\npath = "/dev/kvm"\n', ["resource: 'kvm'"]),
+    (
+        "kubernetes.io resource",
+        '[[device]]\nresource = "kubernetes.io/kvm"\npath = "/dev/kvm"\n',
+        ["resource: 'kubernetes.io/kvm'"],
+    ),
+    ("requests. prefix", '[[device]]\nresource = "requests.a/kvm"\npath = "/dev/kvm"\n', ["resource:"]),
+    ("two slashes", '[[device]]\nresource = "a.io/b/c"\npath = "/dev/kvm"\n', ["resource: 'a.io/b/c'"]),
+    ("uppercase domain", '[[device]]\nresource = "A.io/kvm"\npath = "/dev/kvm"\n', ["resource: 'A.io/kvm'"]),
+    ("relative path", '[[device]]\nresource = "a.io/kvm"\npath = "dev/kvm"\n', ["path: 'dev/kvm'"]),
+    (
+        "path outside /dev",
+        '[[device]]\nresource = "a.io/kvm"\npath = "/etc/passwd"\n',
+        ["path: '/etc/passwd'"],
+    ),
+    ("path with ..", '[[device]]\nresource = "a.io/kvm"\npath = "/dev/../etc/shadow"\n', ["path:"]),
+    ("bare /dev", '[[device]]\nresource = "a.io/kvm"\npath = "/dev/"\n', ["path: '/dev/'"]),
+    ("count 0", KVM + "count = 0\n", ["count: 0 must be an integer from 1 to 65536"]),
+    ("count too big", KVM + "count = 65537\n", ["count: 65537"]),
+    ("count a string", KVM + 'count = "4"\n', ["count: '4'"]),
+    ("count a bool", KVM + "count = true\n", ["count: True"]),
+    ("empty permissions", KVM + 'permissions = ""\n', ["permissions: ''"]),
+    ("bad permissions", KVM + 'permissions = "rwx"\n', ["permissions: 'rwx'"]),
+    ("repeated permission", KVM + 'permissions = "rr"\n', ["permissions: 'rr'"]),
+    ("preopen a string", KVM + 'preopen = "yes"\n', ["preopen: must be true or false, not 'yes'"]),
+    ("unknown probe", KVM + 'probe = "gpu"\n', ["probe: 'gpu'"]),
+    ("missing path", '[[device]]\nresource = "a.io/kvm"\n', ["device[0] (a.io/kvm): path: required"]),
+    (
+        "duplicate resource",
+        KVM + '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm2"\n',
+        ["device[1] (ate.dev/kvm): resource 'ate.dev/kvm' is already used by device[0] (ate.dev/kvm)"],
+    ),
+    (
+        "duplicate path",
+        KVM + '[[device]]\nresource = "ate.dev/kvm2"\npath = "/dev/kvm"\n',
+        ["device[1] (ate.dev/kvm2): path '/dev/kvm' is already used"],
+    ),
+    (
+        "same socket name",
+        '[[device]]\nresource = "a-b/c"\npath = "/dev/x"\n[[device]]\nresource = "a/b-c"\npath = "/dev/y"\n',
+        ["socket name 'a-b-c.sock'"],
+    ),
+    ("device not a table list", 'device = "kvm"\n', ["device: must be one or more [[device]] tables"]),
+    ("empty device list", "device = []\n", ["device: must be one or more"]),
+    ("plugin_dir relative", 'plugin_dir = "x"\n', ["plugin_dir: must be an absolute path, not 'x'"]),
+    ("log_level unknown", 'log_level = "loud"\n', ["log_level: must be one of"]),
+    ("not TOML", "[[device]\n", ["not valid TOML"]),
+    ("ID too long", '[[device]]\nresource = "a.io/x"\npath = "/dev/' + "x" * 60 + '"\n', ["63 characters"]),
+]
+
+
+class TestErrors:
+    @pytest.mark.parametrize(("text", "expected"), [(t, e) for _, t, e in BAD], ids=[n for n, _, _ in BAD])
+    def test_bad_config_is_named(self, text: str, expected: list[str]) -> None:
+        """Each bad value gives an error line that names its field and value."""
+        with pytest.raises(ConfigError) as info:
+            config.parse(text)
+        for fragment in expected:
+            assert any(fragment in line for line in info.value.errors), info.value.errors
+
+    def test_all_errors_reported_together(self) -> None:
+        """Several mistakes are reported in one go, not one per run."""
+        with pytest.raises(ConfigError) as info:
+            config.parse('[[device]]\nresource = "kvm"\npath = "kvm"\ncount = 0\n')
+        assert len(info.value.errors) == 3
+
+
+class TestResourceName:
+    @pytest.mark.parametrize("name", ["ate.dev/kvm", "ate.dev/vhost-net", "example.com/a_b.c", "x/y"])
+    def test_valid(self, name: str) -> None:
+        """Names kubelet accepts."""
+        assert config.is_extended_resource_name(name)
+
+    @pytest.mark.parametrize(
+        "name",
+        ["kvm", "kubernetes.io/kvm", "requests.x/y", "a/b/c", "a/", "/b", "a/-b", "a_b/c", "a/" + "b" * 64],
+    )
+    def test_invalid(self, name: str) -> None:
+        """Names kubelet rejects at Register."""
+        assert not config.is_extended_resource_name(name)
+
+
+class TestMessageBound:
+    def test_65536_kvm_units_fit(self) -> None:
+        """The largest count fits with short IDs, well under kubelet's 4 MiB."""
+        dev = DeviceConfig("ate.dev/kvm", "/dev/kvm", count=65536)
+        assert config.listandwatch_bytes(dev) <= config.MAX_MESSAGE_BYTES
+
+    def test_long_ids_lower_the_bound(self) -> None:
+        """Long device names with a large count are refused, naming the size."""
+        long_path = "/dev/" + "v" * 50
+        with pytest.raises(ConfigError, match="ListAndWatch message"):
+            config.parse(f'[[device]]\nresource = "a.io/v"\npath = "{long_path}"\ncount = 65536\n')
