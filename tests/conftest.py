@@ -24,9 +24,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"test order seed: ATE_TEST_SEED={_SEED}"
 
 
-def pytest_collection_modifyitems(
-    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
-) -> None:
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     random.Random(_SEED).shuffle(items)
 
 

@@ -26,9 +26,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def write_config(
-    path: Path, plugin_dir: Path, dev_root: Path, devices: str | None = None, top: str = ""
-) -> Path:
+def write_config(path: Path, plugin_dir: Path, dev_root: Path, devices: str | None = None, top: str = "") -> Path:
     text = f'plugin_dir = "{plugin_dir}"\ndev_root = "{dev_root}"\n{top}\n'
     text += devices if devices is not None else '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
     path.write_text(text)

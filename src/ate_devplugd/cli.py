@@ -63,9 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the daemon (default)")
     add_config(run)
-    run.add_argument(
-        "--plugin-dir", metavar="DIR", help=f"kubelet's device-plugin directory ({DEFAULT_PLUGIN_DIR})"
-    )
+    run.add_argument("--plugin-dir", metavar="DIR", help=f"kubelet's device-plugin directory ({DEFAULT_PLUGIN_DIR})")
     run.add_argument("--dev-root", metavar="DIR", help="look device paths up under DIR (default /)")
     run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
     run.add_argument(
@@ -148,8 +146,6 @@ def _run(cfg: configmod.Config, args: argparse.Namespace) -> int:
     def reload_config() -> configmod.Config:
         return configmod.load(args.config).with_overrides(**overrides)
 
-    log.info(
-        "ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir
-    )
+    log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
     daemon = Daemon(cfg, reload_config=reload_config)
     return asyncio.run(daemon.run())

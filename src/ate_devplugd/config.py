@@ -211,9 +211,7 @@ def _device(where: str, table: dict[str, Any], errors: list[str]) -> DeviceConfi
         )
     path = table.get("path", "")
     if "path" in table and not _is_dev_path(path):
-        errors.append(
-            f"{where}: path: {path!r} must be a normalised absolute path under /dev, e.g. '/dev/kvm'"
-        )
+        errors.append(f"{where}: path: {path!r} must be a normalised absolute path under /dev, e.g. '/dev/kvm'")
     count = table.get("count", DEFAULT_COUNT)
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
         errors.append(f"{where}: count: {count!r} must be an integer from 1 to {MAX_COUNT}")

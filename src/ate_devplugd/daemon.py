@@ -198,14 +198,7 @@ class Session:
         while True:
             self._daemon.sync_dir_events()
             if not self.server.socket_is_ours():
-                event(
-                    log,
-                    logging.WARNING,
-                    "socket-removed",
-                    "%s was removed; serving anew",
-                    self.socket_path,
-                    resource=self.name,
-                )
+                self._log_socket_gone(self._daemon.kubelet_gen)
                 raise _Restart
             gen = self._daemon.kubelet_gen
             if not os.path.exists(kubelet_socket):
@@ -221,11 +214,7 @@ class Session:
                 )
             except grpc.aio.AioRpcError as exc:
                 self._failures += 1
-                level = (
-                    logging.WARNING
-                    if self._failures in (1, 10) or self._failures % 100 == 0
-                    else logging.DEBUG
-                )
+                level = logging.WARNING if self._failures in (1, 10) or self._failures % 100 == 0 else logging.DEBUG
                 event(
                     log,
                     level,
@@ -261,6 +250,30 @@ class Session:
             self._set_state("registered")
             return
 
+    def _log_socket_gone(self, known_gen: int) -> None:
+        """Our socket is gone: kubelet wiping the directory at its start, or someone else."""
+        kubelet_socket = posixpath.join(self._daemon.config.plugin_dir, plugin.KUBELET_SOCKET)
+        if self._daemon.kubelet_gen != known_gen or not os.path.exists(kubelet_socket):
+            event(
+                log,
+                logging.INFO,
+                "kubelet-restart",
+                "kubelet restarted (it removed %s); serving %s anew",
+                self.socket_path,
+                self.name,
+                resource=self.name,
+            )
+        else:
+            event(
+                log,
+                logging.WARNING,
+                "socket-removed",
+                "%s was removed; serving %s anew",
+                self.socket_path,
+                self.name,
+                resource=self.name,
+            )
+
     async def _hold(self) -> None:
         """Wait until kubelet restarts or our socket goes; then return so the loop serves anew."""
         assert self.server is not None
@@ -268,14 +281,7 @@ class Session:
             await self._wait_kick()
             self._daemon.sync_dir_events()
             if not self.server.socket_is_ours():
-                event(
-                    log,
-                    logging.WARNING,
-                    "socket-removed",
-                    "%s was removed; serving and registering anew",
-                    self.socket_path,
-                    resource=self.name,
-                )
+                self._log_socket_gone(self._registered_gen)
                 return
             if self._daemon.kubelet_gen != self._registered_gen:
                 event(
@@ -420,7 +426,17 @@ class Daemon:
             self._wake.clear()
             if self._reload_requested and not self._stop.is_set():
                 self._reload_requested = False
-                await self.reload()
+                try:
+                    await self.reload()
+                except Exception:  # noqa: BLE001 - a failed reload must not take the running daemon down
+                    event(
+                        log,
+                        logging.ERROR,
+                        "reload-failed",
+                        "reload failed; the daemon keeps running",
+                        exc_info=True,
+                    )
+                    self.notifier.ready(self.status_line())
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:
         interval = watchdog_interval()
@@ -474,9 +490,7 @@ class Daemon:
         ours = {s.resource.config.socket_name for s in self.sessions.values()} | {plugin.KUBELET_SOCKET}
         relevant = False
         for ev in events:
-            if ev.kind in ("overflow", "dir-back") or (
-                ev.kind == "created" and ev.name == plugin.KUBELET_SOCKET
-            ):
+            if ev.kind in ("overflow", "dir-back") or (ev.kind == "created" and ev.name == plugin.KUBELET_SOCKET):
                 # a kubelet.sock we have not registered with (or may not have: events were lost)
                 self.kubelet_gen += 1
                 relevant = True
@@ -585,18 +599,14 @@ class Daemon:
             new = self._reload_config()
         except ConfigError as exc:
             for line in exc.errors:
-                event(
-                    log, logging.ERROR, "reload-failed", "config error, keeping the running config: %s", line
-                )
+                event(log, logging.ERROR, "reload-failed", "config error, keeping the running config: %s", line)
             self.notifier.ready(self.status_line())
             return
         old = self.config
         logging.getLogger().setLevel(new.log_level.upper())
         if new.plugin_dir != old.plugin_dir:
             log.warning("plugin_dir changes only on restart; keeping %s", old.plugin_dir)
-            new = Config(
-                plugin_dir=old.plugin_dir, dev_root=new.dev_root, log_level=new.log_level, devices=new.devices
-            )
+            new = Config(plugin_dir=old.plugin_dir, dev_root=new.dev_root, log_level=new.log_level, devices=new.devices)
         old_devs = {d.resource: d for d in old.devices}
         new_devs = {d.resource: d for d in new.devices}
         removed = [n for n in old_devs if n not in new_devs or new_devs[n] != old_devs[n]]

@@ -66,9 +66,7 @@ async def probe_socket(plugin_dir: str, name: str, resource: str | None, timeout
                 )
                 response = await stub.Allocate(request, timeout=timeout)
                 specs = [s for c in response.container_responses[:1] for s in c.devices]
-                row.grants = ", ".join(
-                    f"{s.host_path} -> {s.container_path} ({s.permissions})" for s in specs
-                )
+                row.grants = ", ".join(f"{s.host_path} -> {s.container_path} ({s.permissions})" for s in specs)
         except grpc.aio.AioRpcError as exc:
             row.error = f"{exc.code().name}: {exc.details()}"
         except TimeoutError:
@@ -88,6 +86,5 @@ def render(rows: list[Row]) -> str:
         table.append((row.resource, row.socket, units, row.grants if not row.error else f"ERROR {row.error}"))
     widths = [max(len(r[i]) for r in table) for i in range(3)]
     return "\n".join(
-        "  ".join(cell.ljust(widths[i]) if i < 3 else cell for i, cell in enumerate(r)).rstrip()
-        for r in table
+        "  ".join(cell.ljust(widths[i]) if i < 3 else cell for i, cell in enumerate(r)).rstrip() for r in table
     )

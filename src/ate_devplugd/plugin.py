@@ -88,9 +88,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             self._cache = (version, _response(self._resource))
         return self._cache[1]
 
-    async def GetDevicePluginOptions(
-        self, request: api_pb2.Empty, context: Context
-    ) -> api_pb2.DevicePluginOptions:
+    async def GetDevicePluginOptions(self, request: api_pb2.Empty, context: Context) -> api_pb2.DevicePluginOptions:
         # Units are identical, so no preferred allocation; nothing to do before a container starts.
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
 
@@ -136,9 +134,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                     f"Allocate: device {creq.devices_ids[0]!r} of {dev.resource} is unhealthy: "
                     f"{self._resource.presence.reason}",
                 )
-            spec = api_pb2.DeviceSpec(
-                container_path=dev.path, host_path=dev.path, permissions=dev.permissions
-            )
+            spec = api_pb2.DeviceSpec(container_path=dev.path, host_path=dev.path, permissions=dev.permissions)
             responses.append(api_pb2.ContainerAllocateResponse(devices=[spec]))
         return api_pb2.AllocateResponse(container_responses=responses)
 

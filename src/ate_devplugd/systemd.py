@@ -108,7 +108,7 @@ class JournalHandler(logging.Handler):
                 SYSLOG_IDENTIFIER=SYSLOG_IDENTIFIER,
                 LOGGER=record.name,
                 CODE_FILE=record.pathname,
-                CODE_LINE=str(record.lineno),
+                CODE_LINE=record.lineno,
                 CODE_FUNC=record.funcName,
                 **fields,
             )

@@ -88,7 +88,11 @@ class UdevWatcher:
         wanted = frozenset(subsystems)
         if wanted == self._subsystems:
             return
-        self._monitor.remove_filter()
+        try:
+            self._monitor.remove_filter()
+        except OSError as exc:
+            # A kernel-source monitor has no socket filter to detach; the match list is cleared anyway.
+            log.debug("removing the udev filter: %s", exc)
         for subsystem in sorted(wanted):
             self._monitor.filter_by(subsystem)
         self._subsystems = wanted

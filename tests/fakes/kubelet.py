@@ -54,12 +54,7 @@ def extended_resource_name_ok(name: str) -> bool:
     if len(parts) != 2:
         return False
     prefix, rest = parts
-    return (
-        0 < len(rest) <= 63
-        and bool(_NAME.match(rest))
-        and len(prefix) <= 253
-        and bool(_SUBDOMAIN.match(prefix))
-    )
+    return 0 < len(rest) <= 63 and bool(_NAME.match(rest)) and len(prefix) <= 253 and bool(_SUBDOMAIN.match(prefix))
 
 
 @dataclass
@@ -117,9 +112,7 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
     def __init__(self, kubelet: FakeKubelet) -> None:
         self._kubelet = kubelet
 
-    async def Register(
-        self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext
-    ) -> api_pb2.Empty:
+    async def Register(self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> api_pb2.Empty:
         return await self._kubelet.handle_register(request, context)
 
 
@@ -236,9 +229,7 @@ class FakeKubelet:
         try:
             async for response in call:
                 endpoint.latest = response
-                self._record(
-                    Event("list", endpoint.resource, devices=[(d.ID, d.health) for d in response.devices])
-                )
+                self._record(Event("list", endpoint.resource, devices=[(d.ID, d.health) for d in response.devices]))
         except grpc.aio.AioRpcError as exc:
             self._record(Event("stream-ended", endpoint.resource, error=exc.code().name))
             return

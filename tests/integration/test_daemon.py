@@ -64,9 +64,7 @@ class TestStartAndRegister:
         finally:
             await kubelet.stop()
 
-    async def test_ids_stable_across_daemon_restart(
-        self, tmp_path: Path, plugin_dir: Path, dev_root: Path
-    ) -> None:
+    async def test_ids_stable_across_daemon_restart(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """A restarted daemon advertises exactly the same IDs."""
         kubelet = await started_kubelet(plugin_dir)
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
@@ -138,9 +136,7 @@ class TestKubeletRestart:
         finally:
             await kubelet.stop()
 
-    async def test_plugin_dir_removed_and_back(
-        self, tmp_path: Path, plugin_dir: Path, dev_root: Path
-    ) -> None:
+    async def test_plugin_dir_removed_and_back(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """The whole directory removed and re-created (kubelet reinstalled): recovered when it returns."""
         kubelet = await started_kubelet(plugin_dir)
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
@@ -216,9 +212,7 @@ class TestStop:
 
 
 class TestHotplug:
-    async def test_device_appearing_later_is_registered(
-        self, tmp_path: Path, plugin_dir: Path, dev_root: Path
-    ) -> None:
+    async def test_device_appearing_later_is_registered(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """A device absent at start is not advertised; once it appears (and a uevent fires) it is."""
         os.unlink(dev_root / "dev" / "kvm")
         kubelet = await started_kubelet(plugin_dir)
@@ -270,15 +264,12 @@ class TestBadConfig:
             ('[[device]]\nresource = "a.io/k"\npath = "/dev/k"\ncount = 99999\n', "count: 99999"),
             ('[[device]]\nresource = "a.io/k"\npath = "/dev/k"\npermissions = "x"\n', "permissions: 'x'"),
             (
-                '[[device]]\nresource = "a.io/k"\npath = "/dev/k"\n'
-                '[[device]]\nresource = "a.io/k"\npath = "/dev/j"\n',
+                '[[device]]\nresource = "a.io/k"\npath = "/dev/k"\n[[device]]\nresource = "a.io/k"\npath = "/dev/j"\n',
                 "resource 'a.io/k' is already used",
             ),
         ],
     )
-    def test_exit_78_naming_the_field(
-        self, tmp_path: Path, plugin_dir: Path, text: str, fragment: str
-    ) -> None:
+    def test_exit_78_naming_the_field(self, tmp_path: Path, plugin_dir: Path, text: str, fragment: str) -> None:
         """check-config and run both exit 78 with the field named, and run touches nothing."""
         cfg = tmp_path / "bad.toml"
         cfg.write_text(f'plugin_dir = "{plugin_dir}"\n' + text)
@@ -298,9 +289,7 @@ class TestBadConfig:
     def test_check_config_prints_effective_config(self, tmp_path: Path) -> None:
         """check-config prints the effective config and exits 0."""
         cfg = tmp_path / "ok.toml"
-        cfg.write_text(
-            '[[device]]\nresource = "ate.dev/vhost-net"\npath = "/dev/vhost-net"\npreopen = true\n'
-        )
+        cfg.write_text('[[device]]\nresource = "ate.dev/vhost-net"\npath = "/dev/vhost-net"\npreopen = true\n')
         out = subprocess.run(
             [sys.executable, "-m", "ate_devplugd", "check-config", "--config", str(cfg)],
             capture_output=True,

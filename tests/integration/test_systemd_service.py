@@ -1,0 +1,214 @@
+"""The daemon as systemd sees it: sd_notify datagrams, the watchdog, reload on SIGHUP, idle wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.kubelet import FakeKubelet
+from tests.support import NotifySocket, daemon, subprocess_env, wait_for_path, write_config
+
+VHOST = '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\ncount = {count}\n'
+KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = {count}\n'
+
+
+def null_node(root: Path) -> None:
+    """A real /dev/null node (1:3) under root: a third device the kernel names."""
+    os.mknod(root / "dev" / "null", 0o600 | 0o020000, os.makedev(1, 3))
+
+
+def tun_node(root: Path) -> None:
+    """A real /dev/net/tun node (10:200) under root, for a second resource."""
+    if not Path("/sys/class/misc/tun/dev").exists():
+        pytest.skip("the kernel has no tun misc device")
+    major, minor = (int(x) for x in Path("/sys/class/misc/tun/dev").read_text().split(":"))
+    (root / "dev" / "net").mkdir(exist_ok=True)
+    os.mknod(root / "dev" / "net" / "tun", 0o600 | 0o020000, os.makedev(major, minor))
+
+
+class TestNotify:
+    async def test_ready_before_kubelet_then_status(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """READY=1 comes before any kubelet exists; STATUS then follows registration; STOPPING on SIGTERM."""
+        notify = NotifySocket(tmp_path / "notify")
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        try:
+            async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"] == "ate.dev/kvm: 4096/4096 healthy, waiting for kubelet", proc.log()
+                kubelet = FakeKubelet(plugin_dir)
+                await kubelet.start()
+                try:
+                    status = await notify.wait_for(lambda f: f.get("STATUS", "").endswith("registered"))
+                    assert status["STATUS"] == "ate.dev/kvm: 4096/4096 healthy, registered"
+                    await proc.signal(signal.SIGTERM)
+                    stopping = await notify.wait_for(lambda f: "STOPPING" in f)
+                    assert stopping["STOPPING"] == "1"
+                    assert await proc.wait() == 0
+                finally:
+                    await kubelet.stop()
+        finally:
+            notify.close()
+
+    async def test_status_tells_unhealthy_and_absent(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """STATUS names an absent device and an unhealthy one, with the reason."""
+        notify = NotifySocket(tmp_path / "notify")
+        devices = KVM.format(count=4) + '[[device]]\nresource = "ate.dev/vhost-vsock"\npath = "/dev/vhost-vsock"\n'
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, devices)
+        try:
+            async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))):
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                kvm, vsock = ready["STATUS"].split(" | ")
+                assert kvm == "ate.dev/kvm: 4/4 healthy, waiting for kubelet"
+                assert vsock.startswith("ate.dev/vhost-vsock: absent (") and "does not exist" in vsock
+                (dev_root / "dev" / "kvm").unlink()
+                Path("/sys/class/misc/kvm/uevent").write_text("change")
+                status = await notify.wait_for(lambda f: "ate.dev/kvm: 0/4" in f.get("STATUS", ""))
+                assert "does not exist" in status["STATUS"]
+        finally:
+            notify.close()
+
+    async def test_watchdog_pings(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """WATCHDOG=1 at half of WATCHDOG_USEC, from the event loop."""
+        notify = NotifySocket(tmp_path / "notify")
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        env = subprocess_env(NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="200000")
+        try:
+            async with daemon(cfg, env=env):
+                await notify.wait_for(lambda f: "READY" in f)
+                loop = asyncio.get_running_loop()
+                times = []
+                for _ in range(6):
+                    await notify.wait_for(lambda f: "WATCHDOG" in f)
+                    times.append(loop.time())
+                gaps = [b - a for a, b in itertools.pairwise(times)]
+                # 0.1 s apart: well inside the 0.2 s deadline, and not a busy loop either
+                assert all(0.05 < g < 0.2 for g in gaps), gaps
+        finally:
+            notify.close()
+
+    async def test_watchdog_for_another_pid_is_ignored(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """WATCHDOG_PID naming another process: no pings."""
+        notify = NotifySocket(tmp_path / "notify")
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        env = subprocess_env(NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="100000", WATCHDOG_PID="1")
+        try:
+            async with daemon(cfg, env=env) as proc:
+                await notify.wait_for(lambda f: "READY" in f)
+                await proc.signal(signal.SIGTERM)
+                rest = await notify.wait_for(lambda f: "STOPPING" in f)
+                assert rest
+                assert not [m for _, m in notify.messages if "WATCHDOG" in m]
+        finally:
+            notify.close()
+
+
+class TestReload:
+    async def test_add_remove_change_keep(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """One SIGHUP: the added and changed resources register, the removed one goes, the kept one
+        is not touched (no re-registration, its stream stays open)."""
+        tun_node(dev_root)
+        null_node(dev_root)
+        extra = '[[device]]\nresource = "ate.dev/null"\npath = "/dev/null"\ncount = 2\nsubsystem = "mem"\n'
+        before = KVM.format(count=8) + VHOST.format(count=8)
+        kubelet = FakeKubelet(plugin_dir)
+        await kubelet.start()
+        notify = NotifySocket(tmp_path / "notify")
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, before)
+        try:
+            async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
+                await notify.wait_for(lambda f: f.get("STATUS", "").count("registered") == 2, timeout=15)
+                first = {(await kubelet.next_event("list")).resource for _ in range(2)}
+                assert first == {"ate.dev/kvm", "ate.dev/tun"}
+                kvm_stream = kubelet.endpoints["ate.dev/kvm"].stream_task
+                kubelet.drain()
+                # keep kvm, change tun (count), add null ... then remove it again below
+                write_config(cfg, plugin_dir, dev_root, KVM.format(count=8) + VHOST.format(count=4) + extra)
+                await proc.signal(signal.SIGHUP)
+                try:
+                    reloading = await notify.wait_for(lambda f: "RELOADING" in f)
+                except TimeoutError:
+                    raise AssertionError(proc.log()) from None
+                assert reloading["MONOTONIC_USEC"].isdigit()
+                await notify.wait_for(lambda f: "READY" in f)
+                regs = {}
+                async with asyncio.timeout(10):
+                    while len(regs) < 2:
+                        ev = await kubelet.next_event("list")
+                        regs[ev.resource] = ev
+                assert set(regs) == {"ate.dev/tun", "ate.dev/null"}, proc.log()
+                assert regs["ate.dev/tun"].total == 4 and regs["ate.dev/null"].total == 2
+                assert kubelet.endpoints["ate.dev/kvm"].stream_task is kvm_stream and not kvm_stream.done()
+                assert (plugin_dir / "ate.dev-null.sock").exists()
+
+                write_config(cfg, plugin_dir, dev_root, KVM.format(count=8) + VHOST.format(count=4))
+                await proc.signal(signal.SIGHUP)
+                await notify.wait_for(lambda f: "READY" in f)
+                ended = await kubelet.next_event("stream-ended")
+                assert ended.resource == "ate.dev/null"
+                assert not (plugin_dir / "ate.dev-null.sock").exists()
+                assert not kvm_stream.done()
+                assert [e.resource for e in kubelet.history if e.kind == "register"].count("ate.dev/kvm") == 1
+        finally:
+            notify.close()
+            await kubelet.stop()
+
+    async def test_bad_config_keeps_the_old(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """A broken config on SIGHUP is logged field by field; nothing changes."""
+        kubelet = FakeKubelet(plugin_dir)
+        await kubelet.start()
+        notify = NotifySocket(tmp_path / "notify")
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        try:
+            async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
+                await kubelet.next_event("list")
+                cfg.write_text(cfg.read_text() + "count = 0\nbogus = 1\n")
+                await proc.signal(signal.SIGHUP)
+                await notify.wait_for(lambda f: "RELOADING" in f)
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"] == "ate.dev/kvm: 4096/4096 healthy, registered"
+                log = proc.log()
+                assert "count: 0" in log and "unknown key 'bogus'" in log and "keeping the running config" in log
+                assert len([e for e in kubelet.history if e.kind == "register"]) == 1
+                await kubelet.allocate("ate.dev/kvm", ["kvm-4095"])
+        finally:
+            notify.close()
+            await kubelet.stop()
+
+
+class TestIdle:
+    async def test_no_wakeups_when_idle(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """Registered and idle, the daemon's own thread makes no system call at all (checked with strace)."""
+        if shutil.which("strace") is None:
+            pytest.skip("strace is not installed")
+        kubelet = FakeKubelet(plugin_dir)
+        await kubelet.start()
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        try:
+            async with daemon(cfg) as proc:
+                await kubelet.next_event("list")
+                await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
+                # A 3-second window of the main thread (the event loop); -c sums its system calls.
+                out = await asyncio.to_thread(
+                    subprocess.run,
+                    ["timeout", "-s", "INT", "3", "strace", "-c", "-p", str(proc.pid)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if "Operation not permitted" in out.stderr:
+                    pytest.skip("ptrace is not permitted here")
+                calls = [
+                    ln
+                    for ln in out.stderr.splitlines()
+                    if ln.strip() and ln.split()[-1].isidentifier() and ln.split()[0][0].isdigit()
+                ]
+                assert calls == [], out.stderr
+        finally:
+            await kubelet.stop()
