@@ -5,6 +5,8 @@
 #                 (a venv with current PyPI releases, and Debian's python3 packages)
 #   make dev      create .venv with the package and the test tools (idempotent)
 #   make proto    regenerate src/ate_devplugd/_pb from proto/
+#   make deb      build dist/ate-devplugd_<version>_all.deb (lintian-gated)
+#   make test-package   the .deb in a booted systemd (nspawn): install, run, reload, upgrade, purge
 #
 # Everything a fresh Debian 12 machine lacks is installed here (apt packages, the venv).
 
@@ -26,10 +28,10 @@ APT_PACKAGES := python3 python3-venv python3-dev python3-grpcio python3-protobuf
                 python3-pyudev python3-pytest python3-hypothesis protobuf-compiler \
                 protobuf-compiler-grpc libsystemd-dev pkg-config gcc udev strace
 
-.PHONY: help dev run test lint proto proto-check test-venv test-system apt clean
+.PHONY: help dev run test lint proto proto-check test-venv test-system apt clean deb test-package
 
 help:
-	@sed -n '3,10p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,12p' Makefile | sed 's/^# \{0,1\}//'
 
 $(STAMPS):
 	@mkdir -p $@
@@ -87,6 +89,14 @@ test: lint proto-check
 	$(MAKE) --no-print-directory test-venv
 	@echo "== suite on Debian's runtime"; $(SYSPY) -c 'import grpc, google.protobuf as p; print("grpcio", grpc.__version__, "protobuf", p.__version__)'
 	$(MAKE) --no-print-directory test-system
+	@echo "== the .deb in a booted systemd"
+	$(MAKE) --no-print-directory test-package
+
+deb: $(APT_STAMP)
+	packaging/build-deb.sh dist
+
+test-package: deb
+	tests/package/run.sh $$(ls -t dist/ate-devplugd_*_all.deb | head -n 1)
 
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

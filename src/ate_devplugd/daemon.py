@@ -546,6 +546,17 @@ class Daemon:
                 resource=resource.name,
                 device=resource.config.path,
             )
+            if presence.note and presence.healthy:
+                event(
+                    log,
+                    logging.WARNING,
+                    "device-note",
+                    "%s: %s",
+                    resource.name,
+                    presence.note,
+                    resource=resource.name,
+                    device=resource.config.path,
+                )
         if changed:
             self.update_status()
 

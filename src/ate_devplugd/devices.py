@@ -45,6 +45,8 @@ class Presence:
     present: bool
     healthy: bool
     reason: str
+    #: Something an operator should fix that does not make the device unhealthy.
+    note: str = ""
 
     @property
     def health(self) -> str:
@@ -132,6 +134,12 @@ def probe(dev: DeviceConfig, dev_root: str, kernel: KernelView) -> Presence:  # 
         if failure:
             return Presence(True, False, f"{where}, but {failure}")
         where += ", KVM API 12"
+    link = posixpath.join(dev_root, f"dev/char/{major}:{minor}")
+    if not os.path.lexists(link):
+        # With the systemd cgroup driver, `systemctl daemon-reload` rebuilds device rules from
+        # /dev/char links; without one, running containers can lose the device.
+        note = f"{link} is missing: running containers may lose the device on a systemd daemon-reload"
+        return Presence(True, True, where, note)
     return Presence(True, True, where)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,9 +145,9 @@ class TestKubeletRestart:
             async with daemon(cfg) as proc:
                 await kubelet.next_event("list")
                 await kubelet.stop()
-                for entry in plugin_dir.iterdir():
-                    entry.unlink()
-                plugin_dir.rmdir()
+                # moved away atomically (the daemon may be re-serving into it meanwhile), then removed
+                plugin_dir.rename(tmp_path / "gone")
+                shutil.rmtree(tmp_path / "gone")
                 plugin_dir.mkdir()
                 await kubelet.start()
                 reg = await kubelet.next_event("register")

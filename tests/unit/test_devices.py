@@ -175,3 +175,18 @@ class TestResource:
     def test_known_ids(self, device_id: str, known: bool) -> None:
         """Only the exact IDs kvm-0 ... kvm-<count-1> are ours."""
         assert Resource(KVM).is_known_id(device_id) is known
+
+
+class TestCharLink:
+    def test_missing_dev_char_link_is_a_note(self, tmp_path: Path) -> None:
+        """A present device without its /dev/char/MAJ:MIN link stays healthy, with a note saying why it matters."""
+        null_node(tmp_path, "kvm")
+        p = devices.probe(KVM, str(tmp_path), FakeKernel({(1, 3): "/dev/kvm"}))
+        assert p.healthy and "dev/char/1:3 is missing" in p.note
+
+    def test_link_present_no_note(self, tmp_path: Path) -> None:
+        """With the link in place there is nothing to say."""
+        null_node(tmp_path, "kvm")
+        (tmp_path / "dev" / "char").mkdir()
+        (tmp_path / "dev" / "char" / "1:3").symlink_to("../kvm")
+        assert devices.probe(KVM, str(tmp_path), FakeKernel({(1, 3): "/dev/kvm"})).note == ""
