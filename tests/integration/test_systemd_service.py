@@ -211,3 +211,37 @@ class TestIdle:
                 assert all(t == "-1" for t in timeouts), out.stderr
         finally:
             await kubelet.stop()
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "ate_devplugd"
+THREAD_APIS = ("threading", "to_thread", "run_in_executor", "MonitorObserver", "concurrent.futures", "_thread")
+
+
+class TestThreads:
+    def test_source_starts_no_thread(self) -> None:
+        """Our code never starts a thread: no threading API is used anywhere in the package."""
+        for path in SRC.rglob("*.py"):
+            if "_pb" in path.parts:
+                continue
+            text = path.read_text()
+            assert not [api for api in THREAD_APIS if api in text], path
+
+    async def test_thread_count_is_steady(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """The only threads are gRPC's own, and their number does not grow with restarts and calls."""
+        kubelet = FakeKubelet(plugin_dir)
+        await kubelet.start()
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        try:
+            async with daemon(cfg) as proc:
+                await kubelet.next_event("list")
+                tasks = Path(f"/proc/{proc.pid}/task")
+                before = len(list(tasks.iterdir()))
+                for _ in range(5):
+                    await kubelet.restart()
+                    await kubelet.next_event("list")
+                    for _ in range(10):
+                        await kubelet.allocate("ate.dev/kvm", ["kvm-1"])
+                after = sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
+                assert len(after) == before, after
+        finally:
+            await kubelet.stop()
