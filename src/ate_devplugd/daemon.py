@@ -172,7 +172,7 @@ class Session:
 
     async def _serve(self) -> None:
         self._set_state("starting")
-        server = plugin.PluginServer(self.resource, self.socket_path)
+        server = plugin.PluginServer(self.resource, self.socket_path, self._streams_changed)
         self.server = server
         await server.start()
         event(
@@ -249,6 +249,24 @@ class Session:
             self._failures = 0
             self._set_state("registered")
             return
+
+    def _streams_changed(self, streams: int) -> None:
+        """Keep STATUS true: a registration kubelet no longer watches is not working."""
+        if self.state.startswith("registered"):
+            if streams:
+                self._set_state("registered")
+            else:
+                # kubelet ends the stream when it stops; it never reopens it by itself, so until it
+                # restarts (and we register anew) it sees every unit as unhealthy.
+                event(
+                    log,
+                    logging.WARNING,
+                    "stream-ended",
+                    "kubelet closed ListAndWatch for %s",
+                    self.name,
+                    resource=self.name,
+                )
+                self._set_state("registered, but kubelet closed its ListAndWatch stream")
 
     def _log_socket_gone(self, known_gen: int) -> None:
         """Our socket is gone: kubelet wiping the directory at its start, or someone else."""

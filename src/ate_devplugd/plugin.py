@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,10 +80,11 @@ def _response(resource: Resource) -> api_pb2.ListAndWatchResponse:
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     """The DevicePlugin service for one resource: N fungible units of one device node."""
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: Resource, on_streams: Callable[[int], None] | None = None) -> None:
         self._resource = resource
         self._closing = asyncio.Event()
         self.streams = 0
+        self._on_streams = on_streams
 
     def close(self) -> None:
         """End every ListAndWatch stream (the server is going away)."""
@@ -103,6 +104,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         # Returning would make kubelet drop the resource, so this only ends when the server closes
         # or kubelet cancels (which arrives here as CancelledError and is left to propagate).
         self.streams += 1
+        if self._on_streams is not None:
+            self._on_streams(self.streams)
         closing = asyncio.ensure_future(self._closing.wait())
         try:
             while not self._closing.is_set():
@@ -116,6 +119,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         finally:
             closing.cancel()
             self.streams -= 1
+            if self._on_streams is not None and not self._closing.is_set():
+                self._on_streams(self.streams)
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
         if not request.container_requests:
@@ -196,10 +201,10 @@ def check_socket_free(path: str) -> None:
 class PluginServer:
     """A grpc.aio server for one resource on one unix socket; start() proves it answers."""
 
-    def __init__(self, resource: Resource, socket_path: str) -> None:
+    def __init__(self, resource: Resource, socket_path: str, on_streams: Callable[[int], None] | None = None) -> None:
         self.resource = resource
         self.socket_path = socket_path
-        self.servicer = DevicePluginServicer(resource)
+        self.servicer = DevicePluginServicer(resource, on_streams)
         self.identity: FileIdentity | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -244,5 +249,23 @@ async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeo
         resource_name=resource_name,
         options=api_pb2.DevicePluginOptions(),
     )
+    failure = await _register_once(kubelet_socket, request, timeout)
+    if failure is not None:
+        raise failure
+
+
+async def _register_once(
+    kubelet_socket: str, request: api_pb2.RegisterRequest, timeout: float
+) -> grpc.aio.AioRpcError | None:
+    """One Register call; its error is returned without a traceback.
+
+    In grpcio 1.51 (Debian 12) an AioRpcError is its own ``args``, a reference cycle; with its traceback
+    it would keep the call, the channel and the connection to kubelet open until a full garbage
+    collection: one fd per failed attempt while kubelet keeps refusing.
+    """
     async with grpc.aio.insecure_channel(unix_target(kubelet_socket)) as channel:
-        await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
+        try:
+            await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            return exc.with_traceback(None)
+    return None

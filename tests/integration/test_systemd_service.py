@@ -57,6 +57,26 @@ class TestNotify:
         finally:
             notify.close()
 
+    async def test_status_when_kubelet_stops_watching(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """If kubelet closes ListAndWatch while alive, STATUS stops claiming a working registration."""
+        notify = NotifySocket(tmp_path / "notify")
+        kubelet = FakeKubelet(plugin_dir)
+        await kubelet.start()
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        try:
+            async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))):
+                await kubelet.next_event("list")
+                task = kubelet.endpoints["ate.dev/kvm"].stream_task
+                assert task is not None
+                task.cancel()
+                status = await notify.wait_for(lambda f: "closed its ListAndWatch" in f.get("STATUS", ""))
+                assert status["STATUS"].startswith("ate.dev/kvm: 4096/4096 healthy, registered, but kubelet")
+                await kubelet.restart()
+                await notify.wait_for(lambda f: f.get("STATUS", "").endswith("healthy, registered"))
+        finally:
+            notify.close()
+            await kubelet.stop()
+
     async def test_status_tells_unhealthy_and_absent(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """STATUS names an absent device and an unhealthy one, with the reason."""
         notify = NotifySocket(tmp_path / "notify")
