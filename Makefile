@@ -7,6 +7,7 @@
 #   make proto    regenerate src/ate_devplugd/_pb from proto/
 #   make deb      build dist/ate-devplugd_<version>_all.deb (lintian-gated)
 #   make test-package   the .deb in a booted systemd (nspawn): install, run, reload, upgrade, purge
+#   make e2e      the .deb in a Debian 12 VM (qemu, software CPU) with real udevd and kernel modules
 #
 # Everything a fresh Debian 12 machine lacks is installed here (apt packages, the venv).
 
@@ -28,10 +29,10 @@ APT_PACKAGES := python3 python3-venv python3-dev python3-grpcio python3-protobuf
                 python3-pyudev python3-pytest python3-hypothesis protobuf-compiler \
                 protobuf-compiler-grpc libsystemd-dev pkg-config gcc udev strace
 
-.PHONY: help dev run test lint proto proto-check test-venv test-system apt clean deb test-package
+.PHONY: help dev run test lint proto proto-check test-venv test-debian apt clean deb test-package e2e
 
 help:
-	@sed -n '3,12p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '3,13p' Makefile | sed 's/^# \{0,1\}//'
 
 $(STAMPS):
 	@mkdir -p $@
@@ -81,16 +82,18 @@ lint: dev
 test-venv: dev
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
-test-system: $(APT_STAMP)
+test-debian: $(APT_STAMP)
 	PYTHONPATH=src $(SYSPY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint proto-check
 	@echo "== suite on the venv (current PyPI releases)"; $(VPY) -c 'import grpc, google.protobuf as p; print("grpcio", grpc.__version__, "protobuf", p.__version__)'
 	$(MAKE) --no-print-directory test-venv
 	@echo "== suite on Debian's runtime"; $(SYSPY) -c 'import grpc, google.protobuf as p; print("grpcio", grpc.__version__, "protobuf", p.__version__)'
-	$(MAKE) --no-print-directory test-system
+	$(MAKE) --no-print-directory test-debian
 	@echo "== the .deb in a booted systemd"
 	$(MAKE) --no-print-directory test-package
+	@echo "== the .deb in a VM with real udev and kernel modules"
+	$(MAKE) --no-print-directory e2e
 
 deb: $(APT_STAMP)
 	packaging/build-deb.sh dist
@@ -98,5 +101,35 @@ deb: $(APT_STAMP)
 test-package: deb
 	tests/package/run.sh $$(ls -t dist/ate-devplugd_*_all.deb | head -n 1)
 
+# Needs qemu-system-x86_64 with the software CPU (installed by build-image.sh); fails, saying why,
+# where it cannot run rather than skipping.
+e2e: deb
+	tests/system/build-image.sh
+	tests/system/run.sh $$(ls -t dist/ate-devplugd_*_all.deb | head -n 1)
+
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+
+# ---- benchmarks (bench/) ------------------------------------------------------------------------
+#   make bench           the full run on both runtimes (venv and Debian's python3): one table, each
+#                        figure beside its floor; bench/results.json. Under 5 minutes; root and kvm.
+#   make bench QUICK=1   a smoke run of every step in seconds (build/bench-quick.json); its figures
+#                        are not to be quoted.
+.PHONY: bench
+bench: dev
+	$(VPY) bench/run.py $(if $(QUICK),--quick)
+# ---- end of benchmarks --------------------------------------------------------------------------
+
+# ---- soak: the long fault suite (tests/fault) -------------------------------------------------------
+#   make soak    tests/fault with ATE_SOAK=1 on both runtimes: 1,000 kubelet restarts, 1,000 device
+#                flaps, thousands of hostile inputs; prints one "leak-check" line per check (fds,
+#                threads, RSS, CPU). Takes about 10-15 minutes; root and kvm. `make test` runs the
+#                same tests in their fast sizes.
+SOAK_ARGS := -s -o faulthandler_timeout=1800 tests/fault
+.PHONY: soak
+soak: dev $(APT_STAMP)
+	@echo "== soak on the venv (current PyPI releases)"
+	ATE_SOAK=1 ATE_TEST_TIMEOUT=1800 $(VPY) -m pytest $(SOAK_ARGS) $(PYTEST_ARGS)
+	@echo "== soak on Debian's runtime"
+	ATE_SOAK=1 ATE_TEST_TIMEOUT=1800 PYTHONPATH=src $(SYSPY) -m pytest -p no:cacheprovider $(SOAK_ARGS) $(PYTEST_ARGS)
+# ---- end of soak ------------------------------------------------------------------------------------

@@ -56,15 +56,23 @@ class Presence:
 UNKNOWN = Presence(present=False, healthy=False, reason="not probed yet")
 
 
-class UdevKernelView:
-    """KernelView over pyudev (libudev reads sysfs; no udevd needed) and modules.devname."""
+#: Written at boot by kmod-static-nodes.service from modules.devname; readable where /lib/modules is not
+#: (the unit's ProtectKernelModules= hides it).
+STATIC_NODES_CONF = "/run/tmpfiles.d/static-nodes.conf"
 
-    def __init__(self, context: object | None = None, modules_dir: str | None = None) -> None:
+
+class UdevKernelView:
+    """KernelView over pyudev (libudev reads sysfs; no udevd needed) and the kernel's static nodes."""
+
+    def __init__(
+        self, context: object | None = None, modules_dir: str | None = None, static_nodes_conf: str | None = None
+    ) -> None:
         import pyudev  # noqa: PLC0415 - imported lazily: only the daemon and the probe need libudev
 
         self._pyudev = pyudev
         self._context = context if context is not None else pyudev.Context()
         self._modules_dir = modules_dir or posixpath.join("/lib/modules", os.uname().release)
+        self._static_nodes_conf = static_nodes_conf or STATIC_NODES_CONF
         self._static: dict[str, tuple[int, int]] | None = None
 
     @property
@@ -81,25 +89,45 @@ class UdevKernelView:
 
     def static_devnum(self, path: str) -> tuple[int, int] | None:
         if self._static is None:
-            self._static = _read_modules_devname(posixpath.join(self._modules_dir, "modules.devname"))
+            self._static = _read_static_nodes_conf(self._static_nodes_conf)
+            self._static.update(_read_modules_devname(posixpath.join(self._modules_dir, "modules.devname")))
         return self._static.get(path)
+
+
+def _read_lines(filename: str) -> list[str]:
+    try:
+        with open(filename, encoding="utf-8") as fh:
+            return fh.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def _devnum(text: str) -> tuple[int, int] | None:
+    major, _, minor = text.partition(":")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
 
 
 def _read_modules_devname(filename: str) -> dict[str, tuple[int, int]]:
     """Parse ``modules.devname``: lines of ``module devname cMAJ:MIN``."""
     nodes: dict[str, tuple[int, int]] = {}
-    try:
-        with open(filename, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return nodes
-    for line in lines:
+    for line in _read_lines(filename):
         parts = line.split()
-        if len(parts) != 3 or line.startswith("#") or not parts[2].startswith("c"):
-            continue
-        major, _, minor = parts[2][1:].partition(":")
-        if major.isdigit() and minor.isdigit():
-            nodes["/dev/" + parts[1]] = (int(major), int(minor))
+        if len(parts) == 3 and not line.startswith("#") and parts[2].startswith("c"):
+            devnum = _devnum(parts[2][1:])
+            if devnum is not None:
+                nodes["/dev/" + parts[1]] = devnum
+    return nodes
+
+
+def _read_static_nodes_conf(filename: str) -> dict[str, tuple[int, int]]:
+    """Parse kmod's tmpfiles list of static nodes: ``c! /dev/vhost-net 0600 - - - 10:238``."""
+    nodes: dict[str, tuple[int, int]] = {}
+    for line in _read_lines(filename):
+        parts = line.split()
+        if len(parts) == 7 and parts[0] in ("c", "c!") and parts[1].startswith("/dev/"):
+            devnum = _devnum(parts[6])
+            if devnum is not None:
+                nodes[parts[1]] = devnum
     return nodes
 
 

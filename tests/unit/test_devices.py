@@ -123,10 +123,23 @@ class TestRealKernel:
             "fuse fuse c10:229\nvhost_net vhost-net c10:238\ntun net/tun c10:200\nloop loop-control c10:237\n"
             "bogus line\nblk sda b8:0\n"
         )
-        view = devices.UdevKernelView(modules_dir=str(tmp_path))
+        view = devices.UdevKernelView(modules_dir=str(tmp_path), static_nodes_conf=str(tmp_path / "none"))
         assert view.static_devnum("/dev/vhost-net") == (10, 238)
         assert view.static_devnum("/dev/net/tun") == (10, 200)
         assert view.static_devnum("/dev/sda") is None
+
+    def test_static_nodes_conf(self, tmp_path: Path) -> None:
+        """Where /lib/modules is hidden (ProtectKernelModules=), kmod's tmpfiles list serves instead."""
+        (tmp_path / "static-nodes.conf").write_text(
+            "c! /dev/fuse 0600 - - - 10:229\nd /dev/vfio 0755 - - -\nc! /dev/vhost-vsock 0600 - - - 10:241\n"
+            "c! /dev/net/tun 0666 - - - 10:200\nbad\n"
+        )
+        view = devices.UdevKernelView(
+            modules_dir=str(tmp_path / "hidden"), static_nodes_conf=str(tmp_path / "static-nodes.conf")
+        )
+        assert view.static_devnum("/dev/vhost-vsock") == (10, 241)
+        assert view.static_devnum("/dev/net/tun") == (10, 200)
+        assert view.static_devnum("/dev/vfio") is None
 
 
 class TestPreopen:

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Wait on and check the fake kubelet's event log (JSON lines) from the guest test.
+
+Every record has "t" (time.time() in the guest) and "event"; register, register-rejected, list and
+stream-ended records also have "resource", list records have "healthy", "total" and "ids_digest".
+
+  events.py wait LOG --since T --event E [--resources A,B] [--health full|zero|degraded] [--timeout S]
+      Waits until, for every resource, an event E at or after T matches; prints one JSON object
+      {"t": latest matching t, "latency_ms": ..., "events": {resource: record}}. Exit 1 on timeout,
+      with what was last seen per resource on stderr.
+  events.py last LOG --event E --resource R
+      Prints the last matching record (JSON) or exits 1.
+  events.py check LOG [--since T]
+      Fails on any "register-rejected" or "double-register" (a registration that arrived while the
+      previous one's stream of the same resource was still open) at or after T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+POLL_S = 0.02
+
+
+def read_records(path: Path, offset: int = 0) -> tuple[list[Record], int]:
+    """Complete JSON lines from byte offset on, and the offset after the last complete line."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"events: unreadable line: {line!r}", file=sys.stderr)
+    return records, offset + end
+
+
+def health_ok(rec: Record, health: str | None) -> bool:
+    if health is None:
+        return True
+    healthy, total = rec.get("healthy"), rec.get("total")
+    if not isinstance(healthy, int) or not isinstance(total, int):
+        return False
+    if health == "full":
+        return total > 0 and healthy == total
+    if health == "zero":
+        return total > 0 and healthy == 0
+    if health == "degraded":
+        return healthy != total
+    raise ValueError(health)
+
+
+def matches(rec: Record, event: str, since: float, health: str | None) -> bool:
+    return rec.get("event") == event and float(rec.get("t", 0)) >= since and health_ok(rec, health)
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    resources = [r for r in args.resources.split(",") if r] if args.resources else [None]
+    found: dict[str | None, Record] = {}
+    seen: dict[str | None, Record] = {}
+    offset = 0
+    deadline = time.monotonic() + args.timeout
+    while True:
+        records, offset = read_records(args.log, offset)
+        for rec in records:
+            for res in resources:
+                if res in found or (res is not None and rec.get("resource") != res):
+                    continue
+                if rec.get("event") == args.event and float(rec.get("t", 0)) >= args.since:
+                    seen[res] = rec
+                if matches(rec, args.event, args.since, args.health):
+                    found[res] = rec
+        if len(found) == len(resources):
+            t = max(float(r["t"]) for r in found.values())
+            out = {
+                "t": t,
+                "latency_ms": round((t - args.since) * 1000),
+                "events": {str(k): v for k, v in found.items()},
+            }
+            print(json.dumps(out, sort_keys=True))
+            return 0
+        if time.monotonic() >= deadline:
+            for res in resources:
+                if res not in found:
+                    last = seen.get(res)
+                    print(
+                        f"events: no {args.event} ({args.health or 'any'}) for {res} after "
+                        f"{args.since:.3f} within {args.timeout} s; last such event: "
+                        f"{json.dumps(last) if last else 'none'}",
+                        file=sys.stderr,
+                    )
+            return 1
+        time.sleep(POLL_S)
+
+
+def cmd_last(args: argparse.Namespace) -> int:
+    records, _ = read_records(args.log)
+    for rec in reversed(records):
+        if rec.get("event") == args.event and rec.get("resource") == args.resource:
+            print(json.dumps(rec, sort_keys=True))
+            return 0
+    return 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    records, _ = read_records(args.log)
+    problems = [
+        f"{rec['event']}: {json.dumps(rec, sort_keys=True)}"
+        for rec in records
+        if rec.get("event") in ("double-register", "register-rejected") and float(rec["t"]) >= args.since
+    ]
+    for p in problems:
+        print(f"events: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("wait")
+    w.add_argument("log", type=Path)
+    w.add_argument("--since", type=float, required=True)
+    w.add_argument("--event", required=True)
+    w.add_argument("--resources", default="")
+    w.add_argument("--health", choices=["full", "zero", "degraded"])
+    w.add_argument("--timeout", type=float, default=30.0)
+    w.set_defaults(func=cmd_wait)
+    la = sub.add_parser("last")
+    la.add_argument("log", type=Path)
+    la.add_argument("--event", required=True)
+    la.add_argument("--resource", required=True)
+    la.set_defaults(func=cmd_last)
+    c = sub.add_parser("check")
+    c.add_argument("log", type=Path)
+    c.add_argument("--since", type=float, default=0.0)
+    c.set_defaults(func=cmd_check)
+    args = ap.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+#!/bin/bash
+# Whole-system test: install the .deb in a Debian 12 VM with real systemd, udevd and kernel modules,
+# and check the daemon against the fake kubelet while devices come and go.
+#
+# Usage (as root, on a machine that can run qemu-system-x86_64 with the software CPU):
+#   tests/system/build-image.sh                      # once; cached in .cache/vm/
+#   tests/system/run.sh dist/ate-devplugd_*.deb      # boots a fresh overlay, runs guest-test.sh
+#                                                    # (of several .debs, the newest file is tested)
+#
+# Output: the guest's test log, one "STEP n name: PASS|FAIL <ms> ms" line per step, then a summary.
+# Exit status: 0 when every step passed; non-zero otherwise (the guest journal is then printed).
+# Artifacts (kept after every run): $SYSTEST_OUT, default build/system-test/ -- test.log, journal.txt
+# (the guest's whole journal), kubelet.jsonl (the fake kubelet's events), console.log (the serial
+# console), rc (the guest test's exit status).
+#
+# Environment:
+#   SYSTEST_TIMEOUT     seconds before qemu is killed (default 540; the guest stops its test 60 s earlier)
+#   SYSTEST_OUT         artifact directory (default <repo>/build/system-test)
+#   SYSTEST_GUEST_TEST  the script to run in the guest (default tests/system/guest-test.sh)
+#   SYSTEST_SMP, SYSTEST_MEM   guest CPUs (default 2) and memory in MiB (default 2048)
+#
+# The software CPU is used on purpose: on these machines /dev/kvm only runs specially built guest
+# kernels, and with "-cpu max" the guest gets an emulated AMD SVM, so kvm_amd and /dev/kvm work inside.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+
+log() { printf 'system-test: %s\n' "$*"; }
+die() { log "error: $*" >&2; exit 2; }
+
+(($# >= 1)) || die "usage: $0 DEB"
+for d in "$@"; do
+    [[ -f $d ]] || die "no such .deb: $d"
+done
+# "dist/ate-devplugd_*.deb" may match earlier builds too: the newest file is the one just built.
+deb=$(ls -t -- "$@" | head -n1)
+(($# == 1)) || log "$# packages given; testing the newest: $deb"
+[[ $(id -u) == 0 ]] || die "must run as root"
+
+timeout_s=${SYSTEST_TIMEOUT:-540}
+out=${SYSTEST_OUT:-$repo/build/system-test}
+guest_test=${SYSTEST_GUEST_TEST:-$here/guest-test.sh}
+[[ -f $guest_test ]] || die "no guest test script: $guest_test"
+
+imgdir=$("$here/build-image.sh")
+for f in base.img vmlinuz initrd.img packages.txt; do
+    [[ -f $imgdir/$f ]] || die "image incomplete: $imgdir/$f missing"
+done
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 is not installed"
+
+# Every dependency of the .deb must already be in the image: the guest has no network.
+missing=()
+depends=$(dpkg-deb -f "$deb" Depends 2>/dev/null || true)
+while IFS= read -r alt; do
+    alt=$(sed -e 's/([^)]*)//g' -e 's/\[[^]]*\]//g' <<<"$alt")
+    [[ -n ${alt// /} ]] || continue
+    ok=0
+    IFS='|' read -ra names <<<"$alt"
+    for n in "${names[@]}"; do
+        n=${n// /}
+        n=${n%%:*}
+        awk -v p="$n" '$1 == p { found = 1 } END { exit !found }' "$imgdir/packages.txt" && ok=1
+    done
+    ((ok)) || missing+=("${alt// /}")
+done < <(tr ',' '\n' <<<"$depends")
+if ((${#missing[@]})); then
+    die "the image lacks Depends of $(basename "$deb"): ${missing[*]} -- add them to packages in build-image.sh"
+fi
+
+# ---- the share ----------------------------------------------------------------------------------
+rm -rf --one-file-system "$out"
+mkdir -p "$out"
+share=$out/share
+mkdir -p "$share/out"
+cp "$guest_test" "$share/guest-test.sh"
+cp "$here/events.py" "$share/events.py" 2>/dev/null || true
+if [[ -d $repo/tests/fakes ]]; then
+    cp -r "$repo/tests/fakes" "$share/fakes"
+    rm -rf "$share/fakes/__pycache__"
+fi
+cp "$deb" "$share/$(basename "$deb")"
+basename "$deb" >"$share/deb-name"
+# The guest stops its own test a little before the host gives up on the guest.
+echo $((timeout_s > 120 ? timeout_s - 60 : timeout_s / 2)) >"$share/guest-timeout"
+
+work=$(mktemp -d /tmp/systest.XXXXXX)
+overlay=$work/overlay.qcow2
+qemu-img create -q -f qcow2 -F raw -b "$imgdir/base.img" "$overlay"
+
+qpid=
+tpid=
+cleanup() {
+    if [[ -n $qpid ]] && kill -0 "$qpid" 2>/dev/null; then
+        log "stopping qemu (pid $qpid)"
+        kill "$qpid" 2>/dev/null || true
+        wait "$qpid" 2>/dev/null || true
+    fi
+    [[ -n $tpid ]] && kill "$tpid" 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+log "image $imgdir"
+log "booting the guest (timeout ${timeout_s} s); artifacts in $out"
+t0=$(date +%s.%N)
+timeout --kill-after=10 "$timeout_s" \
+    qemu-system-x86_64 \
+    -nodefaults -no-user-config -display none -no-reboot \
+    -machine pc -accel tcg,thread=multi -cpu max \
+    -smp "${SYSTEST_SMP:-2}" -m "${SYSTEST_MEM:-2048}" \
+    -kernel "$imgdir/vmlinuz" -initrd "$imgdir/initrd.img" \
+    -append "console=ttyS0 root=/dev/vda rw panic=-1 systemd.show_status=1" \
+    -drive "file=$overlay,if=virtio,format=qcow2,cache=unsafe" \
+    -virtfs "local,path=$share,mount_tag=share,security_model=none,id=share" \
+    -device virtio-rng-pci \
+    -serial "file:$out/console.log" \
+    -monitor none \
+    </dev/null >"$out/qemu.log" 2>&1 &
+qpid=$!
+# Show the guest's test output as it is written (it ends when qemu does).
+tail -n +1 -F --pid="$qpid" "$share/out/test.log" 2>/dev/null | sed -u 's/^/guest| /' &
+tpid=$!
+
+qrc=0
+wait "$qpid" || qrc=$?
+qpid=
+t1=$(date +%s.%N)
+wait "$tpid" 2>/dev/null || true
+tpid=
+
+for f in test.log journal.txt kubelet.jsonl rc entry-uptime; do
+    [[ -f $share/out/$f ]] && cp "$share/out/$f" "$out/$f"
+done
+rm -rf --one-file-system "$share"
+
+wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+log "qemu ran ${wall} s (exit $qrc)"
+[[ -f $out/entry-uptime ]] && log "guest reached the test at uptime $(cat "$out/entry-uptime") s"
+
+status=0
+if ((qrc == 124 || qrc == 137)); then
+    log "FAIL: the guest did not power off within ${timeout_s} s; qemu was killed"
+    status=1
+elif ((qrc != 0)); then
+    log "FAIL: qemu exited with status $qrc"
+    sed 's/^/qemu| /' "$out/qemu.log" || true
+    status=1
+fi
+if [[ ! -f $out/rc ]]; then
+    log "FAIL: the guest test left no exit status"
+    status=1
+else
+    grc=$(cat "$out/rc")
+    if [[ $grc == 124 ]]; then
+        log "FAIL: the guest test ran out of time (guest-timeout) and was stopped"
+        status=1
+    elif [[ $grc != 0 ]]; then
+        log "FAIL: the guest test exited with status $grc"
+        status=1
+    fi
+fi
+
+if ((status != 0)); then
+    if [[ -f $out/journal.txt ]]; then
+        log "---- guest journal ($out/journal.txt) ----"
+        cat "$out/journal.txt"
+        log "---- end of guest journal ----"
+    else
+        log "---- serial console, last 150 lines ($out/console.log) ----"
+        tail -n 150 "$out/console.log" 2>/dev/null || true
+        log "---- end of serial console ----"
+    fi
+fi
+
+if [[ -f $out/test.log ]]; then
+    log "summary:"
+    grep -E '^(STEP [0-9]+ |RESULT: )' "$out/test.log" | sed 's/^/  /' || log "  (no steps ran)"
+fi
+steps_passed=$(grep -cE '^STEP [0-9]+ .*: PASS' "$out/test.log" 2>/dev/null || true)
+steps_failed=$(grep -cE '^STEP [0-9]+ .*: FAIL' "$out/test.log" 2>/dev/null || true)
+log "${steps_passed:-0} passed, ${steps_failed:-0} failed"
+if ((status == 0)); then
+    log "PASS"
+else
+    log "FAIL (artifacts in $out)"
+fi
+exit "$status"
