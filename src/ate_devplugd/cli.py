@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -90,12 +90,15 @@ def _config_error(exc: ConfigError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early = _EarlySignals()
     args_in = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in args_in if not a.startswith("-")), None)
     wants_top = any(a in ("-h", "--help", "--version") for a in args_in) and first is None
     if first not in COMMANDS and not wants_top:
         args_in.insert(0, "run")
     args = _parser().parse_args(args_in)
+    if args.command != "run":
+        early.restore()
 
     try:
         cfg = configmod.load(args.config)
@@ -116,10 +119,42 @@ def main(argv: list[str] | None = None) -> int:
         return EX_OK
     if args.command == "probe":
         return _probe(cfg, args.timeout)
-    return _run(cfg, args)
+    return _run(cfg, args, early)
+
+
+class _EarlySignals:
+    """Signals before the daemon's own handlers exist (imports and config take a few hundred ms).
+
+    They are only remembered: raising from a handler in the middle of importing grpc's extension
+    module crashes the interpreter at exit. SIGTERM or SIGINT then ends start-up with status 0 before
+    anything is created, or stops the daemon at once; SIGHUP becomes a reload once the daemon runs
+    (the file may have changed after it was read).
+    """
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.reload = False
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGHUP, self._hup)
+
+    @staticmethod
+    def restore() -> None:
+        """Back to the defaults (for the commands that are not the daemon)."""
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stop = True
+
+    def _hup(self, signum: int, frame: object) -> None:
+        self.reload = True
 
 
 def _probe(cfg: configmod.Config, timeout: float) -> int:
+    import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
+
     from ate_devplugd import nodeprobe  # noqa: PLC0415 - keeps `check-config` free of grpc
 
     ours = {dev.socket_name: dev.resource for dev in cfg.devices}
@@ -135,7 +170,9 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
     return EX_FAILURE if any(row.error for row in rows) else EX_OK
 
 
-def _run(cfg: configmod.Config, args: argparse.Namespace) -> int:
+def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) -> int:
+    import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
+
     from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon
     from ate_devplugd.systemd import setup_logging  # noqa: PLC0415
 
@@ -147,5 +184,17 @@ def _run(cfg: configmod.Config, args: argparse.Namespace) -> int:
         return configmod.load(args.config).with_overrides(**overrides)
 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
+    if early.stop:
+        return EX_OK
     daemon = Daemon(cfg, reload_config=reload_config)
-    return asyncio.run(daemon.run())
+
+    async def run() -> int:
+        task = asyncio.ensure_future(daemon.run())
+        await asyncio.sleep(0)  # the daemon's first step installs its signal handlers
+        if early.stop:
+            daemon.request_stop()
+        elif early.reload:
+            daemon.request_reload()
+        return await task
+
+    return asyncio.run(run())

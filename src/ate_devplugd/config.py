@@ -182,7 +182,9 @@ def _devices(value: object, errors: list[str]) -> tuple[DeviceConfig, ...]:
             errors.append(f"{where}: must be a table, not {table!r}")
             continue
         if isinstance(table.get("resource"), str):
-            where = f"device[{index}] ({table['resource']})"
+            name = table["resource"]
+            # quoted when it holds control characters: an error is one line in the journal, never more
+            where = f"device[{index}] ({name if name.isprintable() else repr(name)})"
         dev = _device(where, table, errors)
         if dev is None:
             continue

@@ -21,6 +21,7 @@ import os
 import posixpath
 import signal
 import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -325,13 +326,35 @@ class _InstanceLock:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(self.name)
+            sock.listen(8)
         except OSError as exc:
             sock.close()
-            if exc.errno == errno.EADDRINUSE:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            uid = self._holder_uid()
+            if uid == os.geteuid():
                 return False
-            raise
+            # Abstract names have no permissions: any local user may bind this one first. A holder of
+            # another user is not an ate-devplugd of ours; going on without the lock is safe, because
+            # a live socket at our path still stops us.
+            log.warning("the instance lock name is held by uid %s, not by us; going on without it", uid)
+            return True
         self._sock = sock
         return True
+
+    def _holder_uid(self) -> int | None:
+        """The user of the process holding the lock name (an ate-devplugd listens on it), if it answers."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.name)
+            creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return None
+        finally:
+            probe.close()
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        return int(uid)
 
     def release(self) -> None:
         if self._sock is not None:
@@ -512,7 +535,8 @@ class Daemon:
                 # a kubelet.sock we have not registered with (or may not have: events were lost)
                 self.kubelet_gen += 1
                 relevant = True
-            elif ev.kind == "dir-gone" or (ev.kind == "removed" and ev.name in ours):
+            elif ev.kind == "dir-gone" or (ev.kind in ("removed", "created") and ev.name in ours):
+                # "created" too: a file renamed over our socket replaces it without a "removed" event
                 relevant = True
             if ev.kind in ("dir-gone", "dir-back"):
                 what = "was removed" if ev.kind == "dir-gone" else "is back"

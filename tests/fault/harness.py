@@ -1,0 +1,228 @@
+"""Shared pieces of the fault suite: sizes (fast or soak), resource figures of a process, leak checks.
+
+Every fault test takes a baseline of the daemon process once it has settled, applies the fault, waits
+for the daemon to settle again (on kubelet events, notify datagrams or inotify, each with a timeout),
+then compares: open fds (/proc/PID/fd), threads (/proc/PID/task), resident memory (VmRSS) and the
+sockets left in the plugin directory. ``ATE_SOAK=1`` (``make soak``) selects the long versions; the
+figures of every check are printed with a ``leak-check`` prefix (``make soak`` runs pytest with -s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.fakes.kubelet import Event, FakeKubelet
+
+SOAK = os.environ.get("ATE_SOAK", "") not in ("", "0")
+
+#: Allowed growth of resident memory over an episode (fast and soak), in KiB. A leak of one
+#: ListAndWatch message (~90 KB) per kubelet restart would exceed it within the fast storm.
+RSS_BOUND_KIB = 8 * 1024
+#: gRPC keeps a few fds whose number depends on timing (its epoll set, wake-up eventfds, the
+#: last subchannel): the count may differ by this much between two settled states, never grow with N.
+FD_SLACK = 3
+#: gRPC's thread pools grow on demand up to a fixed size; likewise bounded, not growing with N.
+THREAD_SLACK = 2
+TICKS = os.sysconf("SC_CLK_TCK")
+RESOURCE = "ate.dev/kvm"
+SOCKET = "ate.dev-kvm.sock"
+KVM_UEVENT = Path("/sys/class/misc/kvm/uevent")
+
+
+def scale(fast: int, soak: int) -> int:
+    return soak if SOAK else fast
+
+
+@dataclass(frozen=True)
+class ProcFigures:
+    """What a process holds at one moment."""
+
+    fds: int
+    threads: int
+    rss_kib: int
+    cpu_s: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcFigures:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        rss = 0
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+        return cls(fds, threads, rss, cpu_seconds(pid))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process (all threads), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        text = fh.read()
+    fields = text[text.rindex(")") + 2 :].split()
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def fd_targets(pid: int) -> list[str]:
+    out = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            out.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+    return sorted(out)
+
+
+def sockets_in(directory: Path) -> set[str]:
+    """Names of the sockets in ``directory`` (other files are not ours to count)."""
+    names = set()
+    for entry in directory.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(entry.lstat().st_mode):
+                names.add(entry.name)
+    return names
+
+
+def assert_no_leak(
+    label: str, pid: int, before: ProcFigures, after: ProcFigures, rounds: int, *, rss_bound_kib: int = RSS_BOUND_KIB
+) -> None:
+    """The daemon holds no more after ``rounds`` faults than before them; prints the figures."""
+    growth = after.rss_kib - before.rss_kib
+    print(
+        f"leak-check {label}: {rounds} rounds; fds {before.fds}->{after.fds}, threads {before.threads}->"
+        f"{after.threads}, RSS {before.rss_kib}->{after.rss_kib} KiB ({growth:+d} KiB, bound {rss_bound_kib}), "
+        f"CPU {after.cpu_s - before.cpu_s:.2f} s"
+    )
+    assert after.fds <= before.fds + FD_SLACK, (label, before, after, fd_targets(pid))
+    assert after.threads <= before.threads + THREAD_SLACK, (label, before, after)
+    assert growth <= rss_bound_kib, (label, before, after)
+
+
+def kvm_uevent() -> None:
+    """A real kernel uevent for the kvm misc device (a hint for the daemon to re-probe)."""
+    KVM_UEVENT.write_text("change")
+
+
+async def started_kubelet(plugin_dir: Path) -> FakeKubelet:
+    kubelet = FakeKubelet(plugin_dir)
+    await kubelet.start()
+    return kubelet
+
+
+def live_registration(kubelet: FakeKubelet, resource: str = RESOURCE) -> bool:
+    """kubelet holds a registration for ``resource`` whose stream is open and has delivered a list."""
+    endpoint = kubelet.endpoints.get(resource)
+    return endpoint is not None and endpoint.streaming and endpoint.latest is not None
+
+
+async def settled(kubelet: FakeKubelet, *, timeout: float = 15.0, quiet: float = 0.5) -> list[Event]:
+    """Wait until kubelet has a live registration, then until no event arrives for ``quiet`` seconds.
+
+    Returns the events seen meanwhile. The quiet period is a wait on the event queue with a timeout:
+    it proves that nothing more happens, it does not stand in for an event.
+    """
+    seen: list[Event] = []
+    async with asyncio.timeout(timeout):
+        while True:
+            seen.extend(kubelet.drain())
+            if live_registration(kubelet):
+                try:
+                    seen.append(await kubelet.next_event(timeout=quiet))
+                except TimeoutError:
+                    return seen
+                continue
+            seen.append(await kubelet.next_event(timeout=timeout))
+
+
+def expected_ids(count: int = 4096, prefix: str = "kvm-") -> list[str]:
+    return [f"{prefix}{i}" for i in range(count)]
+
+
+def assert_one_current_registration(kubelet: FakeKubelet, healthy: int = 4096, total: int = 4096) -> None:
+    """Exactly one live registration for the resource, with the current IDs and health."""
+    assert list(kubelet.endpoints) == [RESOURCE], kubelet.endpoints
+    endpoint = kubelet.endpoints[RESOURCE]
+    assert endpoint.streaming and endpoint.latest is not None
+    assert endpoint.socket_path.endswith("/" + SOCKET)
+    ids = [d.ID for d in endpoint.latest.devices]
+    assert ids == expected_ids(total)
+    assert sum(1 for d in endpoint.latest.devices if d.health == "Healthy") == healthy
+    doubles = [e for e in kubelet.history if e.kind == "double-register"]
+    assert not doubles, doubles
+
+
+#: grpcio's own report of a ListAndWatch write it cancelled because the server stopped (the stream was
+#: still sending when the stop grace ran out). It comes after "stopping", changes nothing of the exit
+#: (status 0, sockets removed), and is tolerated there only.
+GRPC_STOP_NOISE = re.compile(
+    r"error: Exception not handled by _handle_exceptions in servicer method \[/v1beta1\.DevicePlugin/ListAndWatch\]\n"
+    r"(Traceback \(most recent call last\):\n(  .*\n)+asyncio\.exceptions\.CancelledError\n?)+"
+)
+
+
+def daemon_log_clean(text: str) -> None:
+    """No crash, no unexpected-error path taken."""
+    head, stopping, tail = text.partition("[event=stopping]")
+    text = head + stopping + GRPC_STOP_NOISE.sub("", tail)
+    assert "Traceback" not in text, text[-4000:]
+    assert "session-error" not in text, text[-4000:]
+
+
+@contextlib.contextmanager
+def read_only_bind(directory: Path) -> Iterator[None]:
+    """``directory`` read-only in place (a read-only bind mount over itself), undone on exit."""
+    import subprocess
+
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+class NotifyDrain:
+    """sd_notify datagrams read as they arrive, as systemd does.
+
+    The daemon's sd_notify is a blocking send: a receiver that stops reading (the kernel queues 10
+    datagrams per socket by default) would freeze it. So a task reads all the time, and tests wait
+    for a state on a queue.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from tests.support import NotifySocket
+
+        self.socket = NotifySocket(path)
+        self.path = path
+        self.received: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+        self.history: list[dict[str, str]] = []
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            fields = await self.socket.next(timeout=3600)
+            self.history.append(fields)
+            self.received.put_nowait(fields)
+
+    async def wait_for(self, pred: Callable[[dict[str, str]], bool], timeout: float = 10.0) -> dict[str, str]:
+        async with asyncio.timeout(timeout):
+            while True:
+                fields = await self.received.get()
+                if pred(fields):
+                    return fields
+
+    def forget(self) -> None:
+        """Drop what was received so far: the next wait_for sees only later datagrams."""
+        while not self.received.empty():
+            self.received.get_nowait()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.socket.close()
