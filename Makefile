@@ -75,8 +75,8 @@ proto-check: $(APT_STAMP)
 	done; echo "proto-check: generated code matches proto/"
 
 lint: dev
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
 
 test-venv: dev
@@ -90,6 +90,8 @@ test: lint proto-check
 	$(MAKE) --no-print-directory test-venv
 	@echo "== suite on Debian's runtime"; $(SYSPY) -c 'import grpc, google.protobuf as p; print("grpcio", grpc.__version__, "protobuf", p.__version__)'
 	$(MAKE) --no-print-directory test-debian
+	@echo "== benchmark smoke run (figures not checked)"
+	$(MAKE) --no-print-directory bench QUICK=1
 	@echo "== the .deb in a booted systemd"
 	$(MAKE) --no-print-directory test-package
 	@echo "== the .deb in a VM with real udev and kernel modules"

@@ -1,0 +1,198 @@
+"""The floors: the least a Python process on this runtime can do for each figure, run as subprocesses.
+
+    floors.py import-ready NOTIFY_SOCKET   import grpc, protobuf, pyudev, systemd; send READY=1; exit
+    floors.py idle-import                  import grpc; print "up"; wait for stdin to close (RSS floor)
+    floors.py idle-libraries SOCKET        every library the daemon loads, and one grpc.aio server
+                                           serving SOCKET; wait for stdin to close (RSS floor)
+    floors.py uevent-wake SOURCE           a bare pyudev monitor (misc subsystem); print the monotonic
+                                           time of each wake-up
+    floors.py echo SOCKET                  a minimal grpc.aio unary echo server on a unix socket
+    floors.py register DIR                 a minimal plugin: serve DIR/floor.sock, watch DIR with inotify,
+                                           and Register once each time kubelet.sock is created
+
+Each prints "up" on stdout when it is ready to be measured.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _up() -> None:
+    sys.stdout.write("up\n")
+    sys.stdout.flush()
+
+
+def import_ready(notify_socket: str) -> int:
+    import socket
+
+    import google.protobuf
+    import grpc
+    import pyudev
+    import systemd
+
+    del google.protobuf, grpc, pyudev, systemd
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.sendto(b"READY=1", notify_socket)
+    return 0
+
+
+def idle_import() -> int:
+    import grpc
+
+    del grpc
+    _up()
+    sys.stdin.read()
+    return 0
+
+
+def idle_libraries(socket_path: str) -> int:
+    import asyncio
+
+    import grpc
+    import pyudev
+    from systemd import daemon
+
+    from ate_devplugd._pb import api_pb2_grpc
+
+    del daemon, api_pb2_grpc
+    pyudev.Context()
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_insecure_port("unix://" + socket_path)
+        await server.start()
+        _up()
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop(None)
+
+    asyncio.run(serve())
+    return 0
+
+
+def uevent_wake(source: str) -> int:
+    import select
+
+    import pyudev
+
+    monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=source)
+    monitor.filter_by("misc")
+    monitor.start()
+    poller = select.poll()
+    poller.register(monitor.fileno(), select.POLLIN)
+    _up()
+    while True:
+        poller.poll()
+        t = time.monotonic()
+        while monitor.poll(timeout=0) is not None:
+            pass
+        sys.stdout.write(f"{t!r}\n")
+        sys.stdout.flush()
+
+
+def echo(socket_path: str) -> int:
+    import asyncio
+
+    import grpc
+
+    def unary(request: bytes, context: object) -> bytes:
+        return request
+
+    async def serve() -> None:
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(_async(unary))}
+        )
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port("unix://" + socket_path)
+        await server.start()
+        _up()
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop(None)
+
+    asyncio.run(serve())
+    return 0
+
+
+def _async(func):  # type: ignore[no-untyped-def]
+    async def handler(request: bytes, context: object) -> bytes:
+        return func(request, context)  # type: ignore[no-any-return]
+
+    return handler
+
+
+def register(directory: str) -> int:
+    import asyncio
+    import os
+
+    import grpc
+
+    from ate_devplugd._pb import api_pb2, api_pb2_grpc
+    from ate_devplugd.inotify import DirEvent, DirWatcher
+
+    class Plugin(api_pb2_grpc.DevicePluginServicer):
+        async def GetDevicePluginOptions(self, request: object, context: object) -> api_pb2.DevicePluginOptions:
+            return api_pb2.DevicePluginOptions()
+
+        async def ListAndWatch(self, request: object, context: object):  # type: ignore[no-untyped-def]
+            yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID="floor-0", health="Healthy")])
+            await asyncio.Event().wait()
+
+    kubelet_sock = os.path.join(directory, "kubelet.sock")
+    request = api_pb2.RegisterRequest(version="v1beta1", endpoint="floor.sock", resource_name="bench.floor/register")
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(Plugin(), server)
+        server.add_insecure_port("unix://" + os.path.join(directory, "floor.sock"))
+        await server.start()
+        pending: set[asyncio.Task[None]] = set()
+
+        async def do_register() -> None:
+            # kubelet.sock exists a moment before kubelet listens: retry at once while it refuses.
+            for _ in range(1000):
+                try:
+                    async with grpc.aio.insecure_channel("unix://" + kubelet_sock) as channel:
+                        await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=10)
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.001)
+                else:
+                    return
+
+        def on_events(events: list[DirEvent]) -> None:
+            if any(ev.kind == "created" and ev.name == "kubelet.sock" for ev in events):
+                task = asyncio.get_running_loop().create_task(do_register())
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+
+        watch = DirWatcher(directory, on_events)
+        watch.start()
+        _up()
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        watch.close()
+        await server.stop(None)
+
+    asyncio.run(serve())
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    mode, *args = argv
+    if mode == "import-ready":
+        return import_ready(*args)
+    if mode == "idle-import":
+        return idle_import()
+    if mode == "idle-libraries":
+        return idle_libraries(*args)
+    if mode == "uevent-wake":
+        return uevent_wake(*args)
+    if mode == "echo":
+        return echo(*args)
+    if mode == "register":
+        return register(*args)
+    raise SystemExit(f"unknown floor {mode!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

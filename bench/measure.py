@@ -1,0 +1,722 @@
+"""Every figure for one runtime: the interpreter running this file, for the daemon, the client and the floors.
+
+    python bench/measure.py [--quick] --out FILE.json
+
+run.py runs this once per runtime and prints the table. The daemon runs as in production: a
+subprocess, ``python -m ate_devplugd run``, console logging to a file, Type=notify with a watchdog.
+Needs root (mknod, /sys writes) and a kernel with the kvm misc device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from kubelet import BenchKubelet
+
+from ate_devplugd import __version__, plugin
+from ate_devplugd._pb import api_pb2
+from ate_devplugd.config import DeviceConfig
+from ate_devplugd.devices import Presence, Resource
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+FLOORS = Path(__file__).resolve().parent / "floors.py"
+KVM_SYSFS = Path("/sys/class/misc/kvm")
+RESOURCE = "ate.dev/kvm"
+COUNT = 4096
+#: Calls per second of each of the 64 open-loop callers: 640 a second in all, far above what pod
+#: admission asks of a plugin, yet well below what one Python gRPC server can answer.
+OPEN_LOOP_RATE = 10.0
+#: Length of the slices of the idle window (see idle()).
+IDLE_SLICE = 10.0
+#: Restarts before the ones counted (first connections are slower).
+WARM_UP = 5
+#: As in the packaged unit (WatchdogSec=30s): a ping every 15 s.
+WATCHDOG_USEC = 30_000_000
+
+
+@dataclass(frozen=True)
+class Plan:
+    starts: int
+    restarts: int
+    uevents: int
+    allocs: tuple[tuple[int, int], ...]  # (concurrent callers, calls in all)
+    open_loop_each: int  # calls per caller, 64 callers at OPEN_LOOP_RATE
+    law_reps: tuple[tuple[int, int], ...]  # (count, builds)
+    idle: float
+    strace: float
+
+
+FULL = Plan(
+    starts=25,
+    restarts=200,
+    uevents=100,
+    allocs=((1, 2000), (16, 4000), (64, 6400)),
+    open_loop_each=30,
+    law_reps=((4096, 50), (65536, 8)),
+    idle=60.0,
+    strace=10.0,
+)
+QUICK = Plan(
+    starts=3,
+    restarts=10,
+    uevents=10,
+    allocs=((1, 200), (16, 320), (64, 640)),
+    open_loop_each=5,
+    law_reps=((4096, 5), (65536, 2)),
+    idle=2.0,
+    strace=1.0,
+)
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    """Median and p99 (nearest rank) in milliseconds."""
+    ordered = sorted(seconds)
+    n = len(ordered)
+    return {
+        "n": n,
+        "median_ms": round(statistics.median(ordered) * 1000, 3),
+        "p99_ms": round(ordered[max(0, math.ceil(0.99 * n) - 1)] * 1000, 3),
+        "max_ms": round(ordered[-1] * 1000, 3),
+    }
+
+
+def progress(text: str) -> None:
+    print(f"  [{os.environ.get('ATE_BENCH_LABEL', sys.executable)}] {text}", file=sys.stderr, flush=True)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    drop = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM", "INVOCATION_ID")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+# -- /proc ---------------------------------------------------------------------------------------
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+@dataclass(frozen=True)
+class ThreadSample:
+    name: str
+    cpu_ns: int
+    switches: int  # voluntary: each one is the thread going to sleep, so one wake-up follows
+
+
+def threads(pid: int) -> dict[int, ThreadSample]:
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            cpu_ns = int((task / "schedstat").read_text().split()[0])
+            status = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        match = re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M)
+        out[int(task.name)] = ThreadSample(name, cpu_ns, int(match.group(1)) if match else 0)
+    return out
+
+
+# -- the workspace and the daemon ------------------------------------------------------------------
+
+
+class Workspace:
+    """A temp dir with a dev_root holding a real kvm node, a plugin dir, a notify socket and a config."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="ate-bench-"))
+        self.dev_root = self.dir / "root"
+        (self.dev_root / "dev").mkdir(parents=True)
+        self.node = self.dev_root / "dev" / "kvm"
+        self.make_node()
+        self.plugin_dir = self.dir / "device-plugins"
+        self.plugin_dir.mkdir(mode=0o750)
+        self.floor_dir = self.dir / "floor-plugins"
+        self.floor_dir.mkdir(mode=0o750)
+        self.config = self.dir / "config.toml"
+        self.config.write_text(
+            f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n\n'
+            f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
+        )
+        self.log = self.dir / "daemon.log"
+        self.notify_path = self.dir / "notify.sock"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+        self.notify.bind(str(self.notify_path))
+        self.notify.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+
+    def make_node(self) -> None:
+        major, minor = (int(x) for x in (KVM_SYSFS / "dev").read_text().split(":"))
+        os.mknod(self.node, 0o600 | 0o020000, os.makedev(major, minor))
+
+    def close(self) -> None:
+        self.notify.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class NotifyReader:
+    """Reads sd_notify datagrams as they arrive and stamps each with CLOCK_MONOTONIC."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.queue: asyncio.Queue[tuple[float, str]] = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await loop.sock_recv(self._sock, 65536)
+            self.queue.put_nowait((time.monotonic(), data.decode(errors="replace")))
+
+    def drain(self) -> None:
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
+    async def wait_for(self, line: str, timeout: float = 20.0) -> float:
+        async with asyncio.timeout(timeout):
+            while True:
+                t, text = await self.queue.get()
+                if line in text.splitlines():
+                    return t
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+async def spawn_daemon(ws: Workspace) -> asyncio.subprocess.Process:
+    env = child_env(NOTIFY_SOCKET=str(ws.notify_path), WATCHDOG_USEC=str(WATCHDOG_USEC))
+    log = os.open(ws.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "ate_devplugd",
+            "run",
+            "--config",
+            str(ws.config),
+            "--log-target",
+            "console",
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+    finally:
+        os.close(log)
+
+
+async def stop_daemon(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(10):
+            await proc.wait()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
+def check_exit(proc: asyncio.subprocess.Process, ws: Workspace) -> None:
+    if proc.returncode != 0:
+        raise RuntimeError(f"the daemon exited {proc.returncode}; log:\n{ws.log.read_text()[-4000:]}")
+
+
+async def spawn_floor(*args: str, stdin: int = subprocess.PIPE) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(FLOORS), *args, stdin=stdin, stdout=subprocess.PIPE, env=child_env()
+    )
+    assert proc.stdout is not None
+    async with asyncio.timeout(20):
+        line = await proc.stdout.readline()
+    if line.strip() != b"up":
+        raise RuntimeError(f"floor {args[0]} did not start: {line!r}")
+    return proc
+
+
+async def end_floor(proc: asyncio.subprocess.Process) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        async with asyncio.timeout(5):
+            await proc.wait()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
+def write_uevent(action: str = "change") -> float:
+    """Ask the kernel for a real uevent for kvm; returns the time just before the write."""
+    t = time.monotonic()
+    (KVM_SYSFS / "uevent").write_text(action)
+    return t
+
+
+# -- the figures ---------------------------------------------------------------------------------
+
+
+async def import_ready_once(ws: Workspace, notify: NotifyReader) -> float:
+    """The floor of a start: a process that imports the libraries, then sends READY=1."""
+    notify.drain()
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(FLOORS), "import-ready", str(ws.notify_path), env=child_env()
+    )
+    took = await notify.wait_for("READY=1") - t0
+    await proc.wait()
+    return took
+
+
+async def starts(
+    ws: Workspace, reps: int, notify: NotifyReader, kubelet: BenchKubelet
+) -> tuple[dict[str, object], dict[str, float]]:
+    """Daemon starts, each one after a run of the floor, so that both see the same machine load."""
+    ready, registered, floor = [], [], []
+    for _ in range(reps):
+        floor.append(await import_ready_once(ws, notify))
+        notify.drain()
+        kubelet.drain()
+        t0 = time.monotonic()
+        proc = await spawn_daemon(ws)
+        try:
+            ready.append(await notify.wait_for("READY=1") - t0)
+            registered.append((await kubelet.next("register", 20)).t - t0)
+            await kubelet.next("list", 20)
+        finally:
+            await stop_daemon(proc)
+    return {"ready": summary(ready), "registered": summary(registered)}, summary(floor)
+
+
+async def _restart_once(kubelet: BenchKubelet, resource: str | None) -> tuple[float, float]:
+    """Restart ``kubelet``; kubelet.sock re-created -> Register received, and -> first device list."""
+    kubelet.drain()
+    await kubelet.restart()
+    sock = await kubelet.next("socket")
+    reg = await kubelet.next("register", resource=resource)
+    first = await kubelet.next("list", resource=resource)
+    if resource == RESOURCE and first.healthy != COUNT:
+        raise RuntimeError(f"after a restart the device list is {first.healthy}/{first.total}")
+    return reg.t - sock.t, first.t - sock.t
+
+
+async def restarts(ws: Workspace, kubelet: BenchKubelet, reps: int) -> tuple[dict[str, object], dict[str, float]]:
+    """kubelet restarts for the daemon, each right after one for the floor (a minimal plugin that
+    only re-registers; its socket is left in place), so that both see the same machine load."""
+    floor_kubelet = BenchKubelet(ws.floor_dir, wipe=False)
+    proc = await spawn_floor("register", str(ws.floor_dir))
+    registered, listed, floor = [], [], []
+    try:
+        for i in range(reps + WARM_UP):
+            floor_took, _ = await _restart_once(floor_kubelet, None)
+            await asyncio.sleep(0.005)
+            took, listed_took = await _restart_once(kubelet, RESOURCE)
+            if i >= WARM_UP:
+                floor.append(floor_took)
+                registered.append(took)
+                listed.append(listed_took)
+            await asyncio.sleep(0.01)
+    finally:
+        await floor_kubelet.stop()
+        await end_floor(proc)
+    return {**summary(registered), "listed": summary(listed)}, summary(floor)
+
+
+def uevent_source() -> str:
+    return "udev" if os.path.exists("/run/udev/control") else "kernel"
+
+
+async def floor_uevent(reps: int) -> dict[str, object]:
+    proc = await spawn_floor("uevent-wake", uevent_source())
+    assert proc.stdout is not None
+    delays = []
+    try:
+        for _ in range(reps):
+            t0 = await asyncio.to_thread(write_uevent)
+            async with asyncio.timeout(10):
+                woke = 0.0
+                while woke < t0:  # skip wake-ups for uevents made elsewhere before ours
+                    woke = float(await proc.stdout.readline())
+            delays.append(woke - t0)
+            await asyncio.sleep(0.005)
+    finally:
+        proc.kill()
+        await proc.wait()
+    return {"source": uevent_source(), **summary(delays)}
+
+
+async def _health_after_uevent(kubelet: BenchKubelet, want: int) -> float:
+    """Ask for a kvm uevent; the time until kubelet's list has ``want`` healthy units."""
+    t0 = await asyncio.to_thread(write_uevent)
+    while True:
+        ev = await kubelet.next("list", 2.0, resource=RESOURCE)
+        if ev.healthy == want:
+            return ev.t - t0
+
+
+async def uevents(ws: Workspace, kubelet: BenchKubelet, reps: int) -> dict[str, object]:
+    """Node removed, then a real uevent -> Unhealthy; node back, uevent -> Healthy.
+
+    An event can be lost when udevd starts or stops during the run (the daemon chose its event source
+    at start): the node is put back, counted as lost, and the run goes on; three in a row end it.
+    """
+    gone, back = [], []
+    lost = in_a_row = 0
+    for _ in range(reps):
+        kubelet.drain()
+        try:
+            ws.node.unlink()
+            gone.append(await _health_after_uevent(kubelet, 0))
+            ws.make_node()
+            back.append(await _health_after_uevent(kubelet, COUNT))
+        except TimeoutError:
+            lost += 1
+            in_a_row += 1
+            if not ws.node.exists():
+                ws.make_node()
+            await asyncio.to_thread(write_uevent)
+            if in_a_row == 3:
+                break
+        else:
+            in_a_row = 0
+        await asyncio.sleep(0.005)
+    if not gone or not back:
+        raise RuntimeError(f"the daemon saw none of {reps} uevents (source {uevent_source()})")
+    return {"source": uevent_source(), "lost": lost, "unhealthy": summary(gone), "healthy": summary(back)}
+
+
+async def closed_loop(call: Callable[[], Awaitable[object]], callers: int, total: int) -> dict[str, float]:
+    """``callers`` concurrent callers, each issuing its calls one after another; latency of each call."""
+    latencies: list[float] = []
+    per_caller = max(1, total // callers)
+
+    async def caller() -> None:
+        for _ in range(per_caller):
+            t = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    elapsed = time.perf_counter() - t0
+    return {**summary(latencies), "calls_per_s": round(len(latencies) / elapsed)}
+
+
+def allocate_request() -> api_pb2.AllocateRequest:
+    return api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=["kvm-0"])])
+
+
+async def open_loop(call: Callable[[], Awaitable[object]], callers: int, rate: float, each: int) -> dict[str, float]:
+    """``callers`` independent callers, each calling at random moments ``rate`` times a second on
+    average (Poisson arrivals), ``each`` calls apiece: latency when callers do not saturate the server."""
+    latencies: list[float] = []
+    rng = random.Random(callers)
+
+    async def caller() -> None:
+        for _ in range(each):
+            await asyncio.sleep(rng.expovariate(rate))
+            t = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return {**summary(latencies), "offered_calls_per_s": round(callers * rate)}
+
+
+async def allocate_figures(call: Callable[[], Awaitable[object]], plan: Plan) -> tuple[dict[str, object], int]:
+    await closed_loop(call, 4, 200)  # warm-up
+    done = 200
+    out: dict[str, object] = {}
+    for callers, total in plan.allocs:
+        out[str(callers)] = await closed_loop(call, callers, total)
+        done += total
+    out["64-open"] = await open_loop(call, 64, OPEN_LOOP_RATE, plan.open_loop_each)
+    done += 64 * plan.open_loop_each
+    return out, done
+
+
+async def allocates(kubelet: BenchKubelet, plan: Plan) -> tuple[dict[str, object], int]:
+    stub = kubelet.stub(RESOURCE)
+    request = allocate_request()
+
+    async def call() -> None:
+        response = await stub.Allocate(request, timeout=10)
+        assert response.container_responses[0].devices[0].host_path == "/dev/kvm"
+
+    return await allocate_figures(call, plan)
+
+
+async def floor_allocates(ws: Workspace, plan: Plan) -> dict[str, object]:
+    path = str(ws.dir / "echo.sock")
+    proc = await spawn_floor("echo", path)
+    payload = allocate_request().SerializeToString()
+    out: dict[str, object] = {}
+    try:
+        async with grpc.aio.insecure_channel("unix://" + path) as channel:
+            echo = channel.unary_unary("/bench.Echo/Echo")
+
+            async def call() -> None:
+                await echo(payload, timeout=10)
+
+            out, _ = await allocate_figures(call, plan)
+    finally:
+        await end_floor(proc)
+    return out
+
+
+def list_and_watch(plan: Plan) -> dict[str, object]:
+    """One ListAndWatch message as the daemon makes it, in this process: its size, the first build
+    for a health state, each later one (any cache the daemon keeps warm), and grpc's encoding of it."""
+    cache = getattr(plugin, "_device_list", None)
+    out: dict[str, object] = {}
+    for count, reps in plan.law_reps:
+        resource = Resource(DeviceConfig(resource=RESOURCE, path="/dev/kvm", count=count))
+        resource.update(Presence(True, True, "bench"))
+        first, again, encodes = [], [], []
+        size = 0
+        for _ in range(reps):
+            if cache is not None:
+                cache.cache_clear()
+            t = time.perf_counter()
+            plugin._response(resource)
+            first.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            message = plugin._response(resource)
+            again.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            size = len(message.SerializeToString())
+            encodes.append(time.perf_counter() - t)
+        out[str(count)] = {
+            "bytes": size,
+            "build": summary(first),
+            "rebuild": summary(again),
+            "encode": summary(encodes),
+        }
+    return out
+
+
+async def floor_rss(ws: Workspace) -> dict[str, int]:
+    """RSS of a process that only imports grpc, and of one that loads every library the daemon
+    uses and serves one grpc.aio server."""
+    out = {}
+    for name, args in (("import_grpc", ()), ("libraries_and_server", (str(ws.dir / "rss-floor.sock"),))):
+        proc = await spawn_floor("idle-import" if not args else "idle-libraries", *args)
+        try:
+            await asyncio.sleep(0.5)
+            out[name] = rss_kib(proc.pid)
+        finally:
+            await end_floor(proc)
+    return out
+
+
+@dataclass
+class _Usage:
+    """CPU time and wake-ups summed over some idle slices."""
+
+    seconds: float = 0.0
+    cpu_ns: int = 0
+    switches: dict[str, int] | None = None
+
+    def add(self, pid: int, before: dict[int, ThreadSample], after: dict[int, ThreadSample], seconds: float) -> None:
+        self.seconds += seconds
+        switches = self.switches if self.switches is not None else {}
+        for tid, sample in after.items():
+            if tid in before:
+                self.cpu_ns += sample.cpu_ns - before[tid].cpu_ns
+                name = "main" if tid == pid else sample.name
+                switches[name] = switches.get(name, 0) + sample.switches - before[tid].switches
+        self.switches = switches
+
+    def per_minute(self) -> dict[str, object]:
+        scale = 60.0 / self.seconds if self.seconds else 0.0
+        return {
+            "window_s": round(self.seconds, 1),
+            "cpu_ms_per_min": round(self.cpu_ns / 1e6 * scale, 2),
+            "wakeups_per_min": {k: round(v * scale, 1) for k, v in sorted((self.switches or {}).items())},
+        }
+
+
+async def idle(pid: int, window: float, work: Path) -> tuple[dict[str, object], dict[str, object]]:
+    """CPU time and wake-ups of every thread while idling (no tracer attached), for the daemon and,
+    side by side, for a bare grpc.aio server that serves nothing (the floor).
+
+    Other work on the machine may make misc uevents (test suites do), and each one wakes the daemon
+    to re-probe. The window is cut in slices; the figures are summed over the slices in which no
+    such uevent arrived, and over the whole window only if every slice had one.
+    """
+    floor = await spawn_floor("echo", str(work / "idle-floor.sock"))
+    watcher = await spawn_floor("uevent-wake", uevent_source())
+    assert watcher.stdout is not None
+    seen: list[float] = []
+
+    async def read_wakeups() -> None:
+        assert watcher.stdout is not None
+        while line := await watcher.stdout.readline():
+            seen.append(float(line))
+
+    reader = asyncio.get_running_loop().create_task(read_wakeups())
+    clean, clean_floor, whole, whole_floor = _Usage(), _Usage(), _Usage(), _Usage()
+    slices = max(1, round(window / IDLE_SLICE))
+    dirty = 0
+    try:
+        await asyncio.sleep(0.5)
+        for _ in range(slices):
+            before, floor_before, t0 = threads(pid), threads(floor.pid), time.monotonic()
+            await asyncio.sleep(window / slices)
+            after, floor_after, t1 = threads(pid), threads(floor.pid), time.monotonic()
+            whole.add(pid, before, after, t1 - t0)
+            whole_floor.add(floor.pid, floor_before, floor_after, t1 - t0)
+            if any(t0 <= t < t1 for t in seen):
+                dirty += 1
+            else:
+                clean.add(pid, before, after, t1 - t0)
+                clean_floor.add(floor.pid, floor_before, floor_after, t1 - t0)
+    finally:
+        await end_floor(floor)
+        watcher.kill()
+        reader.cancel()
+        await watcher.wait()
+    use, use_floor = (clean, clean_floor) if clean.seconds else (whole, whole_floor)
+    result = use.per_minute()
+    result["misc_uevents_seen"] = len(seen)
+    result["slices"] = {"of_s": round(window / slices, 1), "total": slices, "with_foreign_uevents": dirty}
+    result["whole_window"] = whole.per_minute()
+    return result, use_floor.per_minute()
+
+
+_STRACE_LINE = re.compile(r"^(\d+)\s+(?:<\.\.\. (\w+) resumed>|(\w+)\()")
+
+
+async def strace_idle(pid: int, window: float, work: Path) -> dict[str, object]:
+    """Which syscalls each thread makes while idle (strace -f attached for ``window`` seconds)."""
+    if shutil.which("strace") is None:
+        return {"skipped": "strace is not installed"}
+    out = work / "strace.txt"
+    tracer = await asyncio.create_subprocess_exec(
+        "strace", "-f", "-qq", "-o", str(out), "-p", str(pid), stderr=subprocess.DEVNULL
+    )
+    await asyncio.sleep(window)
+    tracer.send_signal(signal.SIGINT)
+    await tracer.wait()
+    names = {tid: s.name for tid, s in threads(pid).items()}
+    calls: dict[str, dict[str, int]] = {}
+    for line in out.read_text(errors="replace").splitlines():
+        match = _STRACE_LINE.match(line)
+        if match is None or line.endswith("<unfinished ...>"):
+            continue
+        tid = int(match.group(1))
+        who = "main" if tid == pid else names.get(tid, str(tid))
+        syscall = match.group(2) or match.group(3)
+        per = calls.setdefault(who, {})
+        per[syscall] = per.get(syscall, 0) + 1
+    return {"window_s": window, "syscalls": calls}
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+async def measure(plan: Plan) -> dict[str, object]:
+    import google.protobuf
+
+    ws = Workspace()
+    results: dict[str, object] = {
+        "python": sys.executable,
+        "python_version": sys.version.split()[0],
+        "grpcio": grpc.__version__,
+        "protobuf": google.protobuf.__version__,
+        "ate_devplugd": __version__,
+    }
+    floors: dict[str, object] = {}
+    results["floor"] = floors
+    notify = NotifyReader(ws.notify)
+    kubelet = BenchKubelet(ws.plugin_dir)
+    proc: asyncio.subprocess.Process | None = None
+    try:
+        # Floors first, with no daemon running beside them.
+        progress("floors")
+        floors["rss_kib"] = await floor_rss(ws)
+        floors["uevent"] = await floor_uevent(plan.uevents)
+        floors["allocate"] = await floor_allocates(ws, plan)
+        progress("ListAndWatch messages")
+        results["list_and_watch"] = list_and_watch(plan)
+
+        await kubelet.start()
+        progress(f"{plan.starts} daemon starts")
+        results["start"], floors["imports_ready"] = await starts(ws, plan.starts, notify, kubelet)
+
+        progress("one daemon under load")
+        kubelet.drain()
+        notify.drain()
+        proc = await spawn_daemon(ws)
+        await notify.wait_for("READY=1")
+        await kubelet.next("list", 20, resource=RESOURCE)
+        await asyncio.sleep(1.0)
+        results["rss_start_kib"] = rss_kib(proc.pid)
+        progress(f"{plan.restarts} kubelet restarts")
+        results["restart"], floors["register"] = await restarts(ws, kubelet, plan.restarts)
+        progress(f"{plan.uevents} vanish/return uevents")
+        results["uevent"] = await uevents(ws, kubelet, plan.uevents)
+        progress("Allocate")
+        results["allocate"], allocs_done = await allocates(kubelet, plan)
+        await asyncio.sleep(1.0)
+        results["rss_loaded_kib"] = rss_kib(proc.pid)
+        results["load"] = {"allocates": allocs_done, "kubelet_restarts": plan.restarts + WARM_UP}
+        progress(f"idle {plan.idle:.0f} s")
+        await asyncio.sleep(1.0)
+        results["idle"], floors["idle_grpc_server"] = await idle(proc.pid, plan.idle, ws.dir)
+        results["idle_strace"] = await strace_idle(proc.pid, plan.strace, ws.dir)
+        await stop_daemon(proc)
+        check_exit(proc, ws)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            sys.stderr.write(ws.log.read_text()[-4000:])
+        raise
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await kubelet.stop()
+        notify.close()
+        ws.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few repetitions, short idle window (a smoke run)")
+    parser.add_argument("--out", type=Path, required=True, help="write the results here (JSON)")
+    args = parser.parse_args()
+    if os.geteuid() != 0 or not (KVM_SYSFS / "dev").exists():
+        print("the benchmark needs root (mknod, /sys writes) and the kvm misc device", file=sys.stderr)
+        return 2
+    results = asyncio.run(measure(QUICK if args.quick else FULL))
+    results["mode"] = "quick" if args.quick else "full"
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
