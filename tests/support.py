@@ -11,7 +11,10 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from tests.fakes.kubelet import FakeKubelet
+
 SRC = Path(__file__).resolve().parents[1] / "src"
+KVM_UEVENT = Path("/sys/class/misc/kvm/uevent")
 FAKES = Path(__file__).resolve().parent / "fakes"
 
 
@@ -156,3 +159,15 @@ async def wait_for_path(path: Path, timeout: float = 10.0) -> None:
                 await appeared.wait()
     finally:
         watch.close()
+
+
+def kvm_uevent() -> None:
+    """Emit a real kernel uevent for the kvm misc device (a hint for the daemon to re-probe)."""
+    KVM_UEVENT.write_text("change")
+
+
+async def started_kubelet(plugin_dir: Path) -> FakeKubelet:
+    """A fake kubelet serving ``plugin_dir`` (its sockets wiped first, as kubelet does)."""
+    kubelet = FakeKubelet(plugin_dir)
+    await kubelet.start()
+    return kubelet

@@ -33,7 +33,6 @@ THREAD_SLACK = 2
 TICKS = os.sysconf("SC_CLK_TCK")
 RESOURCE = "ate.dev/kvm"
 SOCKET = "ate.dev-kvm.sock"
-KVM_UEVENT = Path("/sys/class/misc/kvm/uevent")
 
 
 def scale(fast: int, soak: int) -> int:
@@ -101,17 +100,6 @@ def assert_no_leak(
     assert after.fds <= before.fds + FD_SLACK, (label, before, after, fd_targets(pid))
     assert after.threads <= before.threads + THREAD_SLACK, (label, before, after)
     assert growth <= rss_bound_kib, (label, before, after)
-
-
-def kvm_uevent() -> None:
-    """A real kernel uevent for the kvm misc device (a hint for the daemon to re-probe)."""
-    KVM_UEVENT.write_text("change")
-
-
-async def started_kubelet(plugin_dir: Path) -> FakeKubelet:
-    kubelet = FakeKubelet(plugin_dir)
-    await kubelet.start()
-    return kubelet
 
 
 def live_registration(kubelet: FakeKubelet, resource: str = RESOURCE) -> bool:

@@ -29,13 +29,11 @@ from tests.fault.harness import (
     assert_one_current_registration,
     daemon_log_clean,
     expected_ids,
-    kvm_uevent,
     scale,
     settled,
     sockets_in,
-    started_kubelet,
 )
-from tests.support import daemon, write_config
+from tests.support import daemon, kvm_uevent, started_kubelet, write_config
 
 CYCLES = scale(100, 1000)
 #: The most a list may lag behind the node: a Healthy list for a node absent longer than this is wrong.

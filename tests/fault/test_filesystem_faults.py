@@ -36,9 +36,8 @@ from tests.fault.harness import (
     scale,
     settled,
     sockets_in,
-    started_kubelet,
 )
-from tests.support import DaemonProcess, daemon, subprocess_env, write_config
+from tests.support import DaemonProcess, daemon, started_kubelet, subprocess_env, write_config
 
 EPISODE = scale(15, 100) / 10
 #: Share of one CPU the daemon may use while it cannot serve (a retry loop without back-off uses ~100 %).

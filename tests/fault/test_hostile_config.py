@@ -35,9 +35,8 @@ from tests.fault.harness import (
     scale,
     settled,
     sockets_in,
-    started_kubelet,
 )
-from tests.support import daemon, subprocess_env, write_config
+from tests.support import daemon, started_kubelet, subprocess_env, write_config
 
 EX_CONFIG = 78
 SETTINGS = settings(

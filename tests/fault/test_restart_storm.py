@@ -21,9 +21,8 @@ from tests.fault.harness import (
     scale,
     settled,
     sockets_in,
-    started_kubelet,
 )
-from tests.support import daemon, write_config
+from tests.support import daemon, started_kubelet, write_config
 
 STORM = scale(100, 1000)
 

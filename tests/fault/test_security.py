@@ -25,11 +25,17 @@ from tests.fault.harness import (
     NotifyDrain,
     assert_one_current_registration,
     daemon_log_clean,
-    kvm_uevent,
     settled,
-    started_kubelet,
 )
-from tests.support import DaemonProcess, daemon, subprocess_env, wait_for_path, write_config
+from tests.support import (
+    DaemonProcess,
+    daemon,
+    kvm_uevent,
+    started_kubelet,
+    subprocess_env,
+    wait_for_path,
+    write_config,
+)
 
 NOBODY = 65534
 SYSPY = "/usr/bin/python3"

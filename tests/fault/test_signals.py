@@ -21,9 +21,8 @@ from tests.fault.harness import (
     scale,
     settled,
     sockets_in,
-    started_kubelet,
 )
-from tests.support import DaemonProcess, subprocess_env, write_config
+from tests.support import DaemonProcess, started_kubelet, subprocess_env, write_config
 
 TRIALS = scale(12, 150)
 #: Start-up (interpreter, imports, probe, serve) takes roughly 0.3-0.6 s here; registration follows.

@@ -18,7 +18,8 @@ import pytest
 
 from ate_devplugd.config import Config, DeviceConfig
 from ate_devplugd.daemon import Daemon
-from tests.fault.harness import SOCKET, assert_one_current_registration, scale, settled, started_kubelet
+from tests.fault.harness import SOCKET, assert_one_current_registration, scale, settled
+from tests.support import started_kubelet
 
 
 class KvmOnly:

@@ -19,21 +19,16 @@ import grpc
 import pytest
 
 from tests.conftest import make_kvm_node
-from tests.fakes.kubelet import FakeKubelet
-from tests.support import DaemonProcess, NotifySocket, daemon, subprocess_env, wait_for_path, write_config
-
-KVM_UEVENT = Path("/sys/class/misc/kvm/uevent")
-
-
-def kvm_uevent() -> None:
-    """Emit a real kernel uevent for the kvm misc device."""
-    KVM_UEVENT.write_text("change")
-
-
-async def started_kubelet(plugin_dir: Path) -> FakeKubelet:
-    kubelet = FakeKubelet(plugin_dir)
-    await kubelet.start()
-    return kubelet
+from tests.support import (
+    DaemonProcess,
+    NotifySocket,
+    daemon,
+    kvm_uevent,
+    started_kubelet,
+    subprocess_env,
+    wait_for_path,
+    write_config,
+)
 
 
 class TestStartAndRegister:

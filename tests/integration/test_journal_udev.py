@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import make_kvm_node
 from tests.fakes.journald import capture_command
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import subprocess_env, wait_for_path, write_config
+from tests.support import kvm_uevent, subprocess_env, wait_for_path, write_config
 
 UDEVD = Path("/lib/systemd/systemd-udevd")
 UDEV_CONTROL = Path("/run/udev/control")
@@ -51,7 +51,7 @@ class TestJournal:
             await kubelet.restart()
             await kubelet.next_event("list")
             (dev_root / "dev" / "kvm").unlink()
-            Path("/sys/class/misc/kvm/uevent").write_text("change")
+            kvm_uevent()
             assert (await kubelet.next_event("list")).healthy == 0
             proc.send_signal(signal.SIGTERM)
             async with asyncio.timeout(10):
