@@ -23,11 +23,9 @@ import signal
 import socket
 import struct
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 
-from ate_devplugd import config as configmod
 from ate_devplugd import devices, plugin
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from ate_devplugd.devices import KernelView, Resource
@@ -38,9 +36,7 @@ from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent
 log = logging.getLogger("ate_devplugd")
 
 EX_OK = 0
-EX_SOFTWARE = 70
 EX_CANTCREAT = 73
-EX_CONFIG = 78
 
 #: How long start-up waits for every present device's first serve before READY=1 regardless.
 READY_TIMEOUT = 20.0
@@ -261,7 +257,7 @@ class Session:
                 # restarts (and we register anew) it sees every unit as unhealthy.
                 event(
                     log,
-                    logging.WARNING,
+                    logging.INFO,
                     "stream-ended",
                     "kubelet closed ListAndWatch for %s",
                     self.name,
@@ -699,7 +695,3 @@ class Daemon:
             len(set(new_devs) & set(old_devs)) - len(set(added) & set(old_devs)),
         )
         self.notifier.ready(self.status_line())
-
-
-def load_config(path: Path | None, overrides: dict[str, str | None]) -> Config:
-    return configmod.load(path).with_overrides(**overrides)
