@@ -123,6 +123,7 @@ class Session:
                     await self._wait_kick()
                     continue
                 delay = 0.0
+                served_gen = self._daemon.kubelet_gen
                 try:
                     await self._serve()
                     await self._register()
@@ -130,6 +131,8 @@ class Session:
                     await self._hold()
                 except _Restart:
                     pass
+                except plugin.SocketGoneError:
+                    self._log_socket_gone(served_gen)
                 except plugin.SocketInUseError as exc:
                     event(log, logging.ERROR, "socket-in-use", "%s", exc, resource=self.name)
                     self._set_state(f"socket in use: {exc}")

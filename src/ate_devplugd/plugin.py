@@ -43,6 +43,10 @@ class SocketInUseError(Exception):
     """Another live process answers on our socket path."""
 
 
+class SocketGoneError(Exception):
+    """Our socket was removed while the server was starting (kubelet wiping the directory, say)."""
+
+
 def unix_target(path: str) -> str:
     return "unix://" + os.path.abspath(path)
 
@@ -239,14 +243,25 @@ class PluginServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(staging)
         identity = FileIdentity.of(self.socket_path)
-        if identity is None or identity.ino != staged:
+        if identity is None:
+            raise SocketGoneError(f"{self.socket_path} was removed while it was being served")
+        if identity.ino != staged:
             raise SocketInUseError(f"{self.socket_path} was replaced while it was being served")
         self.identity = identity
         await self._dial_self()
 
     async def _dial_self(self) -> None:
+        """Prove the socket answers with one RPC; fail at once (no reconnect wait) if it does not."""
         async with grpc.aio.insecure_channel(unix_target(self.socket_path)) as channel:
-            await asyncio.wait_for(channel.channel_ready(), SELF_DIAL_TIMEOUT)
+            stub = api_pb2_grpc.DevicePluginStub(channel)
+            try:
+                await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=SELF_DIAL_TIMEOUT)
+            except grpc.aio.AioRpcError as exc:
+                if not self.socket_is_ours():
+                    raise SocketGoneError(f"{self.socket_path} was removed while it was being served") from None
+                raise OSError(
+                    errno.ECONNREFUSED, f"{self.socket_path} does not answer: {exc.code().name}: {exc.details()}"
+                ) from None
 
     def socket_is_ours(self) -> bool:
         """Whether the file at our socket path is still the one we bound."""

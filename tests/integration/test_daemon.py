@@ -88,6 +88,20 @@ class TestStartAndRegister:
             finally:
                 await kubelet.stop()
 
+    async def test_kubelet_wipes_while_we_start_serving(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """kubelet starting (and wiping the directory) the moment our socket appears is a restart to
+        follow at once, not a failure to serve."""
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        async with daemon(cfg) as proc:
+            await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
+            kubelet = await started_kubelet(plugin_dir)
+            try:
+                await kubelet.next_event("register")
+                await kubelet.next_event("list")
+            finally:
+                await kubelet.stop()
+            assert "cannot serve" not in proc.log() and "serve-failed" not in proc.log(), proc.log()
+
     async def test_plugin_dir_created(self, tmp_path: Path, dev_root: Path) -> None:
         """A missing plugin directory is created 0750 and served."""
         plugin_dir = tmp_path / "var" / "device-plugins"

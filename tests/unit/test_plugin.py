@@ -259,3 +259,42 @@ class TestRegister:
             await plugin.register(str(tmp_path / "kubelet.sock"), "x.sock", "a.io/b", 10)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert loop.time() - start < 5
+
+
+class TestSocketWipedWhileStarting:
+    async def test_wipe_during_start_is_reported_at_once(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """kubelet wiping our socket between bind and the self-check: SocketGoneError at once, not a
+        reconnect wait that ends in a serve failure."""
+        real_publish = plugin._publish
+
+        def publish_then_wipe(staging: str, path: str) -> None:
+            real_publish(staging, path)
+            os.unlink(path)  # what kubelet's start does to every socket in the directory
+
+        monkeypatch.setattr(plugin, "_publish", publish_then_wipe)
+        server = plugin.PluginServer(kvm_resource(), str(tmp_path / "p.sock"))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(plugin.SocketGoneError):
+            await server.start()
+        await server.stop()
+        assert loop.time() - start < plugin.SELF_DIAL_TIMEOUT
+
+    async def test_wipe_before_self_check_is_reported_at_once(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The same when the socket goes just before the self-check's RPC (it fails fast, no wait)."""
+        real_dial = plugin.PluginServer._dial_self
+
+        async def wipe_then_dial(self: plugin.PluginServer) -> None:
+            os.unlink(self.socket_path)
+            await real_dial(self)
+
+        monkeypatch.setattr(plugin.PluginServer, "_dial_self", wipe_then_dial)
+        server = plugin.PluginServer(kvm_resource(), str(tmp_path / "p.sock"))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(plugin.SocketGoneError):
+            await server.start()
+        await server.stop()
+        assert loop.time() - start < plugin.SELF_DIAL_TIMEOUT
