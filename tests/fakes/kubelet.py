@@ -126,6 +126,9 @@ class FakeKubelet:
         self.reject_register: str | None = None
         self._server: grpc.aio.Server | None = None
         self._log = log
+        # One number per kubelet "process": a Register still being handled when this fake restarts
+        # belongs to a kubelet that is gone, and must leave nothing behind in the new one.
+        self._incarnation = 0
 
     @property
     def socket_path(self) -> Path:
@@ -149,6 +152,7 @@ class FakeKubelet:
                     entry.unlink()
 
     async def start(self) -> None:
+        self._incarnation += 1
         self.wipe()
         server = grpc.aio.server()
         api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
@@ -180,6 +184,7 @@ class FakeKubelet:
     async def handle_register(
         self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.Empty:
+        incarnation = self._incarnation
         name = request.resource_name
         if self.register_delay:
             await asyncio.sleep(self.register_delay)
@@ -211,6 +216,9 @@ class FakeKubelet:
             self._record(Event("register-rejected", name, request.endpoint, error=msg))
             await context.abort(grpc.StatusCode.UNKNOWN, msg)
 
+        if incarnation != self._incarnation:
+            await channel.close()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet restarted while handling Register")
         old = self.endpoints.get(name)
         if old is not None and old.streaming:
             self._record(Event("double-register", name, request.endpoint))
