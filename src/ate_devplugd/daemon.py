@@ -196,12 +196,15 @@ class Session:
         delay = Backoff()
         kubelet_socket = posixpath.join(self._daemon.config.plugin_dir, plugin.KUBELET_SOCKET)
         while True:
+            kubelet_there = os.path.exists(kubelet_socket)
+            # Drained after the stat: a kubelet.sock seen there has had its create event counted in
+            # kubelet_gen, so that event cannot later look like a newer kubelet (a second Register).
             self._daemon.sync_dir_events()
             if not self.server.socket_is_ours():
                 self._log_socket_gone(self._daemon.kubelet_gen)
                 raise _Restart
             gen = self._daemon.kubelet_gen
-            if not os.path.exists(kubelet_socket):
+            if not kubelet_there:
                 self._set_state("waiting for kubelet")
                 self.first_attempt.set()
                 await self._wait_kick()
