@@ -109,7 +109,10 @@ async def test_plugin_dir_removed_and_recreated(tmp_path: Path, plugin_dir: Path
             for n in range(rounds):
                 await kubelet.stop()
                 notify.forget()
-                shutil.rmtree(plugin_dir)
+                # moved away atomically first: the daemon may be serving into it meanwhile
+                gone = tmp_path / f"gone-{n}"
+                plugin_dir.rename(gone)
+                shutil.rmtree(gone)
                 if n % 3 == 0:
                     # gone for a while: the daemon waits for it without spinning
                     await notify.wait_for(lambda f: f"waiting for {plugin_dir}" in f.get("STATUS", ""))
