@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import importlib
 import logging
 import os
 import posixpath
@@ -31,6 +32,10 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
+#: grpcio's error for a batch of operations on a call that failed (a private name; absent, nothing matches).
+_EXECUTE_BATCH_ERROR: type[BaseException] | tuple[()] = getattr(
+    importlib.import_module("grpc._cython.cygrpc"), "ExecuteBatchError", ()
+)
 #: kubelet itself waits up to 10 s to dial back; a Register slower than this has failed.
 #: The environment variable ATE_DEVPLUGD_REGISTER_TIMEOUT (seconds) overrides it; the fault tests
 #: use it to stand a hung kubelet for less than 15 s.
@@ -180,6 +185,50 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.PreStartContainerRequest, context: Context
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
+
+
+class _StreamCancelledAtStop(logging.Filter):
+    """grpcio logs each stream it cancels when a server stops as an error with a traceback.
+
+    That is how every ListAndWatch stream still open at a stop ends; it is reported as one debug line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError)):
+            return True
+        record.msg, record.args = f"{record.getMessage()}: cancelled as the server stopped", ()
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.exc_info = record.exc_text = None
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def _grpc_teardown_error(exc: BaseException | None) -> bool:
+    """grpcio failing to send a stream's final status because its peer or server went first.
+
+    Raised inside grpcio's own task for the RPC (nothing of ours can catch it) when a stream ends while
+    kubelet is closing the connection or the server is stopping; the stream is over either way.
+    """
+    return isinstance(exc, _EXECUTE_BATCH_ERROR)
+
+
+def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    exc = context.get("exception")
+    if _grpc_teardown_error(exc):
+        log.debug("a stream ended as kubelet or the server went away (its final status was not sent)")
+        return
+    loop.default_exception_handler(context)
+
+
+def quiet_stream_teardown(loop: asyncio.AbstractEventLoop) -> None:
+    """Keep grpcio's reports of streams cut off by a stop or a departing kubelet out of the error log.
+
+    Such reports come at every kubelet restart that races a stream's end; a traceback there would
+    look like a fault to an operator reading the journal. Anything else keeps its usual report.
+    """
+    cygrpc_log = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _StreamCancelledAtStop) for f in cygrpc_log.filters):
+        cygrpc_log.addFilter(_StreamCancelledAtStop())
+    loop.set_exception_handler(_loop_exception)
 
 
 def check_socket_free(path: str) -> None:
