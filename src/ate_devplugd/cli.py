@@ -16,6 +16,8 @@ EX_OK = 0
 EX_FAILURE = 1
 EX_USAGE = 2
 EX_CONFIG = 78
+#: How long, at exit, the loop is kept for tasks gRPC still has on it.
+LEFTOVER_TASKS_TIMEOUT = 0.5
 
 DESCRIPTION = """\
 Advertise host device nodes (by default /dev/kvm) to kubelet as extended resources, so a pod that
@@ -195,6 +197,12 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
             daemon.request_stop()
         elif early.reload:
             daemon.request_reload()
-        return await task
+        status = await task
+        # gRPC ends the calls its stopped servers had in tasks of its own, a loop turn or two later; ended
+        # by asyncio.run instead, each would be reported as a crash. They take well under a millisecond.
+        leftover = asyncio.all_tasks() - {asyncio.current_task()}
+        if leftover:
+            await asyncio.wait(leftover, timeout=LEFTOVER_TASKS_TIMEOUT)
+        return status
 
     return asyncio.run(run())

@@ -187,21 +187,6 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
 
-class _StreamCancelledAtStop(logging.Filter):
-    """grpcio logs each stream it cancels when a server stops as an error with a traceback.
-
-    That is how every ListAndWatch stream still open at a stop ends; it is reported as one debug line.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError)):
-            return True
-        record.msg, record.args = f"{record.getMessage()}: cancelled as the server stopped", ()
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        record.exc_info = record.exc_text = None
-        return logging.getLogger().isEnabledFor(logging.DEBUG)
-
-
 def _grpc_teardown_error(exc: BaseException | None) -> bool:
     """grpcio failing to send a stream's final status because its peer or server went first.
 
@@ -220,14 +205,11 @@ def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
 
 
 def quiet_stream_teardown(loop: asyncio.AbstractEventLoop) -> None:
-    """Keep grpcio's reports of streams cut off by a stop or a departing kubelet out of the error log.
+    """Keep grpcio's report of a stream cut off by a departing kubelet or a stop out of the error log.
 
-    Such reports come at every kubelet restart that races a stream's end; a traceback there would
-    look like a fault to an operator reading the journal. Anything else keeps its usual report.
+    It can come at any kubelet restart that races a stream's end; a traceback there would look like a
+    fault to an operator reading the journal. Anything else keeps the loop's usual report.
     """
-    cygrpc_log = logging.getLogger("grpc._cython.cygrpc")
-    if not any(isinstance(f, _StreamCancelledAtStop) for f in cygrpc_log.filters):
-        cygrpc_log.addFilter(_StreamCancelledAtStop())
     loop.set_exception_handler(_loop_exception)
 
 

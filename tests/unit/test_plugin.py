@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -302,58 +303,16 @@ class TestSocketWipedWhileStarting:
 
 
 class TestGrpcTeardownReports:
-    """grpcio's reports of streams cut off by a stop are one debug line; anything else is untouched."""
-
-    @pytest.fixture
-    def cygrpc_log(self) -> Iterator[logging.Logger]:
-        logger = logging.getLogger("grpc._cython.cygrpc")
-        filters = list(logger.filters)
-        yield logger
-        logger.filters[:] = filters
-
-    @staticmethod
-    def cancelled_report(logger: logging.Logger) -> None:
-        method = "/v1beta1.DevicePlugin/ListAndWatch"
-        logger.error("Exception not handled in servicer method [%s]", method, exc_info=asyncio.CancelledError())
-
-    async def test_cancelled_stream_is_one_debug_line(
-        self, cygrpc_log: logging.Logger, caplog: pytest.LogCaptureFixture
-    ) -> None:
-        plugin.quiet_stream_teardown(asyncio.get_running_loop())
-        caplog.set_level(logging.DEBUG)
-        self.cancelled_report(cygrpc_log)
-        [record] = caplog.records
-        assert (record.levelno, record.exc_info) == (logging.DEBUG, None)
-        assert record.getMessage().endswith("ListAndWatch]: cancelled as the server stopped")
-
-    async def test_cancelled_stream_is_silent_above_debug(
-        self, cygrpc_log: logging.Logger, caplog: pytest.LogCaptureFixture
-    ) -> None:
-        plugin.quiet_stream_teardown(asyncio.get_running_loop())
-        plugin.quiet_stream_teardown(asyncio.get_running_loop())  # installing twice adds one filter
-        assert len(cygrpc_log.filters) == 1
-        caplog.set_level(logging.INFO)
-        self.cancelled_report(cygrpc_log)
-        assert caplog.records == []
-
-    async def test_other_grpc_errors_keep_their_traceback(
-        self, cygrpc_log: logging.Logger, caplog: pytest.LogCaptureFixture
-    ) -> None:
-        plugin.quiet_stream_teardown(asyncio.get_running_loop())
-        caplog.set_level(logging.INFO)
-        cygrpc_log.error("Unexpected [ValueError] raised by servicer method", exc_info=ValueError("bad"))
-        [record] = caplog.records
-        assert record.levelno == logging.ERROR and record.exc_info is not None
+    """grpcio failing to end a stream whose peer went first is one debug line; anything else is untouched."""
 
     async def test_final_status_to_a_gone_peer_is_not_an_error(self, caplog: pytest.LogCaptureFixture) -> None:
-        from grpc._cython import cygrpc
-
         loop = asyncio.get_running_loop()
         plugin.quiet_stream_teardown(loop)
         caplog.set_level(logging.DEBUG)
         try:
+            batch_error = importlib.import_module("grpc._cython.cygrpc").ExecuteBatchError
             loop.call_exception_handler(
-                {"message": "Task exception was never retrieved", "exception": cygrpc.ExecuteBatchError("send status")}
+                {"message": "Task exception was never retrieved", "exception": batch_error("send status")}
             )
             assert [r.levelno for r in caplog.records] == [logging.DEBUG]
             caplog.clear()
