@@ -112,6 +112,18 @@ def listandwatch_bytes(dev: DeviceConfig) -> int:
     return dev.count * per_device
 
 
+def max_request_bytes(dev: DeviceConfig) -> int:
+    """The largest request the plugin server accepts for ``dev``; gRPC answers RESOURCE_EXHAUSTED above it.
+
+    kubelet's largest request names every unit at most twice (GetPreferredAllocation: the available IDs
+    and the ones it must include), for one container. This allows every unit four times over, with
+    3-byte framing per ID, plus 64 KiB: far above anything kubelet sends, and far below gRPC's default
+    4 MiB, whose decoded ID lists would cost the daemon a hundred MiB or more.
+    """
+    longest_id = len(dev.id_prefix) + len(str(dev.count - 1))
+    return 64 * 1024 + 4 * dev.count * (3 + longest_id)
+
+
 def load(path: Path | None) -> Config:
     """Read and validate the config file; ``None`` or a missing default file gives the defaults."""
     if path is None:

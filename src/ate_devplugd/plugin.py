@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
+from ate_devplugd.config import max_request_bytes
 from ate_devplugd.devices import HEALTHY, UNHEALTHY, Resource
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,12 @@ class PluginServer:
         """
         check_socket_free(self.socket_path)
         staging = posixpath.join(posixpath.dirname(self.socket_path), "." + posixpath.basename(self.socket_path))
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", max_request_bytes(self.resource.config)),
+            ]
+        )
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         try:
             port = server.add_insecure_port(unix_target(staging))

@@ -16,7 +16,7 @@ import pytest
 
 from ate_devplugd import plugin
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
-from ate_devplugd.config import DeviceConfig
+from ate_devplugd.config import DeviceConfig, max_request_bytes
 from ate_devplugd.devices import Presence, Resource
 from tests.fakes.kubelet import FakeKubelet
 
@@ -174,6 +174,35 @@ class TestDevicePluginService:
             assert list(resp.container_responses[0].deviceIDs) == ["kvm-2", "kvm-1"]
             pre = await stub.PreStartContainer(api_pb2.PreStartContainerRequest(devices_ids=["kvm-0"]))
             assert pre == api_pb2.PreStartContainerResponse()
+
+
+class TestRequestLimit:
+    """The server takes the largest request kubelet can send, and refuses far larger ones up front."""
+
+    async def test_kubelets_largest_request_is_answered(self, tmp_path: Path) -> None:
+        res = kvm_resource(count=65536)
+        ids = [f"kvm-{i}" for i in range(65536)]
+        request = api_pb2.PreferredAllocationRequest(
+            container_requests=[
+                api_pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=ids, must_include_deviceIDs=ids, allocation_size=65536
+                )
+            ]
+        )
+        assert request.ByteSize() < max_request_bytes(res.config)
+        async with served(tmp_path, res) as (_, stub):
+            response = await stub.GetPreferredAllocation(request)
+            assert list(response.container_responses[0].deviceIDs) == ids
+            allocated = await stub.Allocate(alloc(ids))
+        assert len(allocated.container_responses) == 1
+
+    async def test_oversized_request_is_resource_exhausted(self, tmp_path: Path) -> None:
+        res = kvm_resource()
+        async with served(tmp_path, res) as (_, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Allocate(alloc(["kvm-" + "9" * max_request_bytes(res.config)]))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (await stub.Allocate(alloc(["kvm-1"]))).container_responses
 
 
 class TestSocketPath:
