@@ -41,10 +41,6 @@ _EXECUTE_BATCH_ERROR: type[BaseException] | tuple[()] = getattr(
 #: The environment variable ATE_DEVPLUGD_REGISTER_TIMEOUT (seconds) overrides it; the fault tests
 #: use it to stand a hung kubelet for less than 15 s.
 REGISTER_TIMEOUT = float(os.environ.get("ATE_DEVPLUGD_REGISTER_TIMEOUT") or 15.0)
-#: Channel options for a dial that must try the socket now. By default gRPC shares one connection
-#: per address among channels, with its last failure and reconnect back-off: a dial just after one that
-#: found the socket missing (kubelet wiping the directory) would fail at once without trying.
-FRESH_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 #: How long our own server may take to answer its first connection.
 SELF_DIAL_TIMEOUT = 5.0
 
@@ -293,7 +289,11 @@ class PluginServer:
 
     async def _dial_self(self) -> None:
         """Prove the socket answers with one RPC; fail at once (no reconnect wait) if it does not."""
-        async with grpc.aio.insecure_channel(unix_target(self.socket_path), options=FRESH_CONNECTION) as channel:
+        # gRPC shares one connection per address among channels, with its last failure and reconnect
+        # back-off: a check just after one that found the socket wiped by kubelet would fail at once,
+        # unattempted. A local subchannel pool gives this check a connection of its own.
+        options = (("grpc.use_local_subchannel_pool", 1),)
+        async with grpc.aio.insecure_channel(unix_target(self.socket_path), options=options) as channel:
             stub = api_pb2_grpc.DevicePluginStub(channel)
             try:
                 await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=SELF_DIAL_TIMEOUT)
@@ -369,7 +369,7 @@ async def _register_once(
     it would keep the call, the channel and the connection to kubelet open until a full garbage
     collection: one fd per failed attempt while kubelet keeps refusing.
     """
-    async with grpc.aio.insecure_channel(unix_target(kubelet_socket), options=FRESH_CONNECTION) as channel:
+    async with grpc.aio.insecure_channel(unix_target(kubelet_socket)) as channel:
         try:
             await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
