@@ -413,7 +413,8 @@ class Daemon:
         ):
             loop.add_signal_handler(sig, handler)
         try:
-            return await self._run()
+            async with plugin.grpc_runtime():
+                return await self._run()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
