@@ -139,8 +139,17 @@ async def test_socket_replaced_by_regular_file(tmp_path: Path, plugin_dir: Path,
             for _ in range(rounds):
                 drain_history(kubelet)
                 if how == "unlink-create":
-                    (plugin_dir / SOCKET).unlink()
-                    (plugin_dir / SOCKET).write_text("junk")
+                    # linked into place, not opened there: the daemon may have served at the path again
+                    # since the unlink, and a socket cannot be opened for writing
+                    (plugin_dir / "junk.tmp").write_text("junk")
+                    while True:
+                        (plugin_dir / SOCKET).unlink(missing_ok=True)
+                        try:
+                            os.link(plugin_dir / "junk.tmp", plugin_dir / SOCKET)
+                            break
+                        except FileExistsError:
+                            continue
+                    (plugin_dir / "junk.tmp").unlink()
                 else:
                     (plugin_dir / "junk.tmp").write_text("junk")
                     os.replace(plugin_dir / "junk.tmp", plugin_dir / SOCKET)
