@@ -405,7 +405,6 @@ class Daemon:
     # -- the run ---------------------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        plugin.quiet_stream_teardown(loop)
         for sig, handler in (
             (signal.SIGTERM, self.request_stop),
             (signal.SIGINT, self.request_stop),

@@ -52,6 +52,9 @@ class SocketInUseError(Exception):
 class SocketGoneError(Exception):
     """Our socket was removed while the server was starting (kubelet wiping the directory, say)."""
 
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path} was removed while it was being served")
+
 
 def unix_target(path: str) -> str:
     return "unix://" + os.path.abspath(path)
@@ -188,30 +191,13 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreStartContainerResponse()
 
 
-def _grpc_teardown_error(exc: BaseException | None) -> bool:
-    """grpcio failing to send a stream's final status because its peer or server went first.
-
-    Raised inside grpcio's own task for the RPC (nothing of ours can catch it) when a stream ends while
-    kubelet is closing the connection or the server is stopping; the stream is over either way.
-    """
-    return isinstance(exc, _EXECUTE_BATCH_ERROR)
-
-
 def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    exc = context.get("exception")
-    if _grpc_teardown_error(exc):
+    # grpcio failing to send a stream's final status because kubelet or the server went first: raised
+    # in grpcio's own task for the RPC, where nothing of ours can catch it; the stream is over anyway.
+    if isinstance(context.get("exception"), _EXECUTE_BATCH_ERROR):
         log.debug("a stream ended as kubelet or the server went away (its final status was not sent)")
         return
     loop.default_exception_handler(context)
-
-
-def quiet_stream_teardown(loop: asyncio.AbstractEventLoop) -> None:
-    """Keep grpcio's report of a stream cut off by a departing kubelet or a stop out of the error log.
-
-    It can come at any kubelet restart that races a stream's end; a traceback there would look like a
-    fault to an operator reading the journal. Anything else keeps the loop's usual report.
-    """
-    loop.set_exception_handler(_loop_exception)
 
 
 @contextlib.asynccontextmanager
@@ -223,12 +209,20 @@ async def grpc_runtime() -> AsyncIterator[None]:
     kubelet restart tore the runtime down and built it anew; in a storm of 1,000 restarts grpcio 1.85
     sometimes never recovered from that (a Register hanging to its deadline while the process grew
     by over 4 GB: 3 of 12 runs). An idle channel that never connects keeps it up.
+
+    Meanwhile grpcio's report of a stream cut off by a departing kubelet or a stop is one debug line,
+    not an error with a traceback (it can come at any kubelet restart that races a stream's end, and
+    would look like a fault to an operator reading the journal); anything else keeps its usual report.
     """
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(_loop_exception)
     holder = grpc.aio.insecure_channel("unix:" + os.devnull)
     try:
         yield
     finally:
         await holder.close(None)
+        loop.set_exception_handler(previous)
 
 
 def check_socket_free(path: str) -> None:
@@ -298,7 +292,7 @@ class PluginServer:
                 os.unlink(staging)
         identity = FileIdentity.of(self.socket_path)
         if identity is None:
-            raise SocketGoneError(f"{self.socket_path} was removed while it was being served")
+            raise SocketGoneError(self.socket_path)
         if identity.ino != staged:
             raise SocketInUseError(f"{self.socket_path} was replaced while it was being served")
         self.identity = identity
@@ -316,7 +310,7 @@ class PluginServer:
                 await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=SELF_DIAL_TIMEOUT)
             except grpc.aio.AioRpcError as exc:
                 if not self.socket_is_ours():
-                    raise SocketGoneError(f"{self.socket_path} was removed while it was being served") from None
+                    raise SocketGoneError(self.socket_path) from None
                 raise OSError(
                     errno.ECONNREFUSED, f"{self.socket_path} does not answer: {exc.code().name}: {exc.details()}"
                 ) from None

@@ -293,6 +293,17 @@ class TestRegister:
 
 
 class TestSocketWipedWhileStarting:
+    @staticmethod
+    async def assert_gone_at_once(tmp_path: Path) -> None:
+        """start() raises SocketGoneError well before the self-check's timeout."""
+        server = plugin.PluginServer(kvm_resource(), str(tmp_path / "p.sock"))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(plugin.SocketGoneError):
+            await server.start()
+        await server.stop()
+        assert loop.time() - start < plugin.SELF_DIAL_TIMEOUT
+
     async def test_wipe_during_start_is_reported_at_once(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """kubelet wiping our socket between bind and the self-check: SocketGoneError at once, not a
         reconnect wait that ends in a serve failure."""
@@ -303,13 +314,7 @@ class TestSocketWipedWhileStarting:
             os.unlink(path)  # what kubelet's start does to every socket in the directory
 
         monkeypatch.setattr(plugin, "_publish", publish_then_wipe)
-        server = plugin.PluginServer(kvm_resource(), str(tmp_path / "p.sock"))
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        with pytest.raises(plugin.SocketGoneError):
-            await server.start()
-        await server.stop()
-        assert loop.time() - start < plugin.SELF_DIAL_TIMEOUT
+        await self.assert_gone_at_once(tmp_path)
 
     async def test_wipe_before_self_check_is_reported_at_once(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -322,13 +327,7 @@ class TestSocketWipedWhileStarting:
             await real_dial(self)
 
         monkeypatch.setattr(plugin.PluginServer, "_dial_self", wipe_then_dial)
-        server = plugin.PluginServer(kvm_resource(), str(tmp_path / "p.sock"))
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        with pytest.raises(plugin.SocketGoneError):
-            await server.start()
-        await server.stop()
-        assert loop.time() - start < plugin.SELF_DIAL_TIMEOUT
+        await self.assert_gone_at_once(tmp_path)
 
 
 class TestGrpcTeardownReports:
@@ -336,9 +335,9 @@ class TestGrpcTeardownReports:
 
     async def test_final_status_to_a_gone_peer_is_not_an_error(self, caplog: pytest.LogCaptureFixture) -> None:
         loop = asyncio.get_running_loop()
-        plugin.quiet_stream_teardown(loop)
         caplog.set_level(logging.DEBUG)
-        try:
+        async with plugin.grpc_runtime():
+            caplog.clear()  # grpc's own debug lines about its runtime
             batch_error = importlib.import_module("grpc._cython.cygrpc").ExecuteBatchError
             loop.call_exception_handler(
                 {"message": "Task exception was never retrieved", "exception": batch_error("send status")}
@@ -347,5 +346,4 @@ class TestGrpcTeardownReports:
             caplog.clear()
             loop.call_exception_handler({"message": "Task exception was never retrieved", "exception": OSError(5)})
             assert [r.levelno for r in caplog.records] == [logging.ERROR]
-        finally:
-            loop.set_exception_handler(None)
+        assert loop.get_exception_handler() is None
