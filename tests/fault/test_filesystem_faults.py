@@ -174,11 +174,14 @@ async def test_socket_taken_by_another_live_socket(tmp_path: Path, plugin_dir: P
             before = ProcFigures.of(proc.pid)
             path = plugin_dir / SOCKET
             notify.forget()
-            path.unlink()
+            # The squatter's socket appears at our path already listening, in one step: unbound for a
+            # moment, the path would be ours again; bound but not yet listening, it would refuse
+            # connections like a stale socket, and a stale socket is removed.
             squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                squatter.bind(str(path))
+                squatter.bind(str(plugin_dir / "squatter.tmp"))
                 squatter.listen(64)
+                os.rename(plugin_dir / "squatter.tmp", path)
                 squatter_ino = path.stat().st_ino
                 await notify.wait_for(lambda f: "socket in use" in f.get("STATUS", ""))
                 await idle_episode(proc, "socket squatted")
