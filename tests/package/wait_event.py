@@ -7,14 +7,21 @@
 The first record that matches (every KEY=VALUE equal to the record's value, as
 text) is printed as JSON and the exit status is 0; after the timeout the
 status is 1 and the last records read are printed to stderr. Only the standard
-library is used, so it runs with any python3.
+library is used, so it runs with any python3. It runs from the test's share,
+beside the fakes/ directory: the log is re-read when inotify says its directory
+changed, and the journal is followed by journalctl --follow.
 """
 
 import argparse
 import json
+import os
+import select
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fakes.filewait import DirWatch
 
 
 def matches(record: dict, wanted: dict[str, str]) -> bool:
@@ -37,12 +44,53 @@ def read_kubelet(path: str, after: float) -> list[dict]:
     return records
 
 
-def read_journal(unit: str, cursor: str | None) -> list[dict]:
-    cmd = ["journalctl", "--no-pager", "-o", "json", "-u", unit]
+def follow_journal(unit: str, cursor: str | None, wanted: dict[str, str], timeout: float) -> int:
+    cmd = ["journalctl", "--no-pager", "--no-tail", "--follow", "-o", "json", "-u", unit]
     if cursor:
         cmd += ["--after-cursor", cursor]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    deadline = time.monotonic() + timeout
+    records: list[dict] = []
+    pending = b""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        try:
+            while select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break  # journalctl ended
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"{"):
+                        continue
+                    record = json.loads(line)
+                    records.append(record)
+                    if matches(record, wanted):
+                        print(json.dumps(record))
+                        return 0
+        finally:
+            proc.kill()
+    return timed_out(wanted, timeout, records)
+
+
+def wait_kubelet(path: str, after: float, wanted: dict[str, str], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    with DirWatch(os.path.dirname(os.path.abspath(path))) as watch:
+        while True:
+            records = read_kubelet(path, after)
+            for record in records:
+                if matches(record, wanted):
+                    print(json.dumps(record))
+                    return 0
+            if not watch.wait(deadline - time.monotonic()):
+                return timed_out(wanted, timeout, read_kubelet(path, after))
+
+
+def timed_out(wanted: dict[str, str], timeout: float, records: list[dict]) -> int:
+    print(f"no record matching {wanted} within {timeout:g}s; last records:", file=sys.stderr)
+    for record in records[-10:]:
+        print("  " + json.dumps(record)[:300], file=sys.stderr)
+    return 1
 
 
 def main() -> int:
@@ -67,23 +115,9 @@ def main() -> int:
             parser.error(f"not KEY=VALUE: {term}")
         wanted[key] = value
 
-    deadline = time.monotonic() + args.timeout
-    records: list[dict] = []
-    while True:
-        if args.source == "kubelet":
-            records = read_kubelet(args.where, args.after)
-        else:
-            records = read_journal(args.where, args.after_cursor)
-        for record in records:
-            if matches(record, wanted):
-                print(json.dumps(record))
-                return 0
-        if time.monotonic() >= deadline:
-            print(f"no record matching {wanted} within {args.timeout:g}s; last records:", file=sys.stderr)
-            for record in records[-10:]:
-                print("  " + json.dumps(record)[:300], file=sys.stderr)
-            return 1
-        time.sleep(0.2)
+    if args.source == "kubelet":
+        return wait_kubelet(args.where, args.after, wanted, args.timeout)
+    return follow_journal(args.where, args.after_cursor, wanted, args.timeout)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # beside the fakes/ directory
+from fakes.filewait import DirWatch
+
 Record = dict[str, Any]
-POLL_S = 0.02
 
 
 def read_records(path: Path, offset: int = 0) -> tuple[list[Record], int]:
@@ -68,10 +71,15 @@ def matches(rec: Record, event: str, since: float, health: str | None) -> bool:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     resources = [r for r in args.resources.split(",") if r] if args.resources else [None]
+    deadline = time.monotonic() + args.timeout
+    with DirWatch(args.log.resolve().parent) as watch:
+        return wait_loop(args, resources, watch, deadline)
+
+
+def wait_loop(args: argparse.Namespace, resources: list[str | None], watch: DirWatch, deadline: float) -> int:
     found: dict[str | None, Record] = {}
     seen: dict[str | None, Record] = {}
     offset = 0
-    deadline = time.monotonic() + args.timeout
     while True:
         records, offset = read_records(args.log, offset)
         for rec in records:
@@ -102,7 +110,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
             return 1
-        time.sleep(POLL_S)
+        watch.wait(deadline - time.monotonic())
 
 
 def cmd_last(args: argparse.Namespace) -> int:
