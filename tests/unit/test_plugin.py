@@ -7,6 +7,8 @@ import importlib
 import logging
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.config import DeviceConfig, max_request_bytes
 from ate_devplugd.devices import Presence, Resource
 from tests.fakes.kubelet import FakeKubelet
+from tests.support import subprocess_env
 
 PRESENT = Presence(True, True, "character device 10:232")
 GONE = Presence(False, False, "/dev/kvm does not exist")
@@ -328,6 +331,52 @@ class TestSocketWipedWhileStarting:
 
         monkeypatch.setattr(plugin.PluginServer, "_dial_self", wipe_then_dial)
         await self.assert_gone_at_once(tmp_path)
+
+
+#: Run in a fresh interpreter: in the test process, another test's channel may still hold the runtime.
+RUNTIME_CHECK = """
+import asyncio, sys, threading
+import grpc
+from ate_devplugd import plugin
+
+def others():
+    return {t.ident for t in threading.enumerate() if t is not threading.main_thread()}
+
+async def channel_comes_and_goes():
+    async with grpc.aio.insecure_channel("unix:" + sys.argv[2]):
+        pass
+
+async def main():
+    if sys.argv[1] == "without-hook":
+        del plugin._CYGRPC.init_grpc_aio
+    await channel_comes_and_goes()
+    assert not others(), "the runtime outlived its last channel"
+    async with plugin.grpc_runtime():
+        held = others()
+        assert held, "grpc.aio's poller thread did not start"
+        for _ in range(3):
+            await channel_comes_and_goes()
+            assert others() == held, "the runtime was shut down and started anew"
+    assert not others(), "the runtime was not released"
+
+asyncio.run(main())
+"""
+
+
+class TestGrpcRuntimeHeld:
+    """grpc.aio's runtime stays up while the daemon runs, however often channels come and go."""
+
+    @pytest.mark.parametrize("how", ["by-reference", "without-hook"])
+    def test_runtime_outlives_channels(self, tmp_path: Path, how: str) -> None:
+        result = subprocess.run(
+            [sys.executable, "-c", RUNTIME_CHECK, how, str(tmp_path / "none.sock")],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
 
 
 class TestGrpcTeardownReports:
