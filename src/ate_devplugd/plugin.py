@@ -36,6 +36,12 @@ KUBELET_SOCKET = "kubelet.sock"
 #: grpcio's error for a batch of operations on a call that failed (a private name; absent, nothing matches).
 _CYGRPC = importlib.import_module("grpc._cython.cygrpc")
 _EXECUTE_BATCH_ERROR: type[BaseException] | tuple[()] = getattr(_CYGRPC, "ExecuteBatchError", ())
+#: Channel options for our calls: gRPC itself does not retry them. The daemon retries Register with
+#: back-off, and a new kubelet.sock ends the wait. With gRPC's retries on (its default), grpcio 1.85
+#: sometimes never finished a Register cut off by a stopping kubelet's GOAWAY and allocated without
+#: bound until the call's deadline: over 4 GB in 15 s, in 4 of 13 storms of 1,000 kubelet restarts; in
+#: none of 20 with them off.
+_ONE_ATTEMPT = (("grpc.enable_retries", 0),)
 #: kubelet itself waits up to 10 s to dial back; a Register slower than this has failed.
 #: The environment variable ATE_DEVPLUGD_REGISTER_TIMEOUT (seconds) overrides it; the fault tests
 #: use it to stand a hung kubelet for less than 15 s.
@@ -237,12 +243,9 @@ async def _runtime_held() -> AsyncIterator[None]:
             yield
         finally:
             release()
-        return
-    holder = grpc.aio.insecure_channel("unix:" + os.devnull)
-    try:
-        yield
-    finally:
-        await holder.close(None)
+    else:
+        async with grpc.aio.insecure_channel("unix:" + os.devnull):
+            yield
 
 
 def check_socket_free(path: str) -> None:
@@ -323,8 +326,8 @@ class PluginServer:
         # gRPC shares one connection per address among channels, with its last failure and reconnect
         # back-off: a check just after one that found the socket wiped by kubelet would fail at once,
         # unattempted. A local subchannel pool gives this check a connection of its own; and it is one
-        # attempt, with no retry by gRPC (see _REGISTER_OPTIONS).
-        options = (("grpc.use_local_subchannel_pool", 1), ("grpc.enable_retries", 0))
+        # attempt, as Register is.
+        options = (("grpc.use_local_subchannel_pool", 1), *_ONE_ATTEMPT)
         async with grpc.aio.insecure_channel(unix_target(self.socket_path), options=options) as channel:
             stub = api_pb2_grpc.DevicePluginStub(channel)
             try:
@@ -392,13 +395,6 @@ async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeo
         raise failure
 
 
-#: gRPC itself does not retry Register: the daemon does, with back-off, and a new kubelet.sock ends the
-#: wait. With gRPC's retries on (its default), grpcio 1.85 sometimes never finished a Register cut off
-#: by a stopping kubelet's GOAWAY and allocated without bound until the call's deadline: over 4 GB in
-#: 15 s, in 4 of 13 storms of 1,000 kubelet restarts; in none of 20 with them off.
-_REGISTER_OPTIONS = (("grpc.enable_retries", 0),)
-
-
 async def _register_once(
     kubelet_socket: str, request: api_pb2.RegisterRequest, timeout: float
 ) -> grpc.aio.AioRpcError | None:
@@ -408,7 +404,7 @@ async def _register_once(
     it would keep the call, the channel and the connection to kubelet open until a full garbage
     collection: one fd per failed attempt while kubelet keeps refusing.
     """
-    async with grpc.aio.insecure_channel(unix_target(kubelet_socket), options=_REGISTER_OPTIONS) as channel:
+    async with grpc.aio.insecure_channel(unix_target(kubelet_socket), options=_ONE_ATTEMPT) as channel:
         try:
             await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 import socket
@@ -387,7 +386,7 @@ class TestGrpcTeardownReports:
         caplog.set_level(logging.DEBUG)
         async with plugin.grpc_runtime():
             caplog.clear()  # grpc's own debug lines about its runtime
-            batch_error = importlib.import_module("grpc._cython.cygrpc").ExecuteBatchError
+            batch_error = plugin._CYGRPC.ExecuteBatchError
             loop.call_exception_handler(
                 {"message": "Task exception was never retrieved", "exception": batch_error("send status")}
             )
