@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -30,12 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from kubelet import BenchKubelet
 
-from ate_devplugd import __version__, plugin
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test harness: tests/support.py
+
+from ate_devplugd import __version__, servicer
 from ate_devplugd._pb import api_pb2
 from ate_devplugd.config import DeviceConfig
 from ate_devplugd.devices import Presence, Resource
+from tests.fakes.kubelet import FakeKubelet
+from tests.support import DaemonProcess, NotifyReceiver, make_kvm_node, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
@@ -164,86 +166,28 @@ class Workspace:
             f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n\n'
             f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
         )
-        self.log = self.dir / "daemon.log"
         self.notify_path = self.dir / "notify.sock"
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-        self.notify.bind(str(self.notify_path))
-        self.notify.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
 
     def make_node(self) -> None:
-        major, minor = (int(x) for x in (KVM_SYSFS / "dev").read_text().split(":"))
-        os.mknod(self.node, 0o600 | 0o020000, os.makedev(major, minor))
+        make_kvm_node(self.dev_root)
 
     def close(self) -> None:
-        self.notify.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class NotifyReader:
-    """Reads sd_notify datagrams as they arrive and stamps each with CLOCK_MONOTONIC."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self.queue: asyncio.Queue[tuple[float, str]] = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            data = await loop.sock_recv(self._sock, 65536)
-            self.queue.put_nowait((time.monotonic(), data.decode(errors="replace")))
-
-    def drain(self) -> None:
-        while not self.queue.empty():
-            self.queue.get_nowait()
-
-    async def wait_for(self, line: str, timeout: float = 20.0) -> float:
-        async with asyncio.timeout(timeout):
-            while True:
-                t, text = await self.queue.get()
-                if line in text.splitlines():
-                    return t
-
-    def close(self) -> None:
-        self._task.cancel()
+async def spawn_daemon(ws: Workspace) -> DaemonProcess:
+    env = subprocess_env(NOTIFY_SOCKET=str(ws.notify_path), WATCHDOG_USEC=str(WATCHDOG_USEC))
+    return await DaemonProcess(ws.config, env=env, log_level="info").start()
 
 
-async def spawn_daemon(ws: Workspace) -> asyncio.subprocess.Process:
-    env = child_env(NOTIFY_SOCKET=str(ws.notify_path), WATCHDOG_USEC=str(WATCHDOG_USEC))
-    log = os.open(ws.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    try:
-        return await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "ate_devplugd",
-            "run",
-            "--config",
-            str(ws.config),
-            "--log-target",
-            "console",
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=env,
-        )
-    finally:
-        os.close(log)
+def check_exit(proc: DaemonProcess) -> None:
+    assert proc.proc is not None
+    if proc.proc.returncode != 0:
+        raise RuntimeError(f"the daemon exited {proc.proc.returncode}; log:\n{proc.log()[-4000:]}")
 
 
-async def stop_daemon(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        async with asyncio.timeout(10):
-            await proc.wait()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-
-
-def check_exit(proc: asyncio.subprocess.Process, ws: Workspace) -> None:
-    if proc.returncode != 0:
-        raise RuntimeError(f"the daemon exited {proc.returncode}; log:\n{ws.log.read_text()[-4000:]}")
+def is_ready(fields: dict[str, str]) -> bool:
+    return fields.get("READY") == "1"
 
 
 async def spawn_floor(*args: str, stdin: int = subprocess.PIPE) -> asyncio.subprocess.Process:
@@ -279,54 +223,55 @@ def write_uevent(action: str = "change") -> float:
 # -- the figures ---------------------------------------------------------------------------------
 
 
-async def import_ready_once(ws: Workspace, notify: NotifyReader) -> float:
+async def import_ready_once(ws: Workspace, notify: NotifyReceiver) -> float:
     """The floor of a start: a process that imports the libraries, then sends READY=1."""
-    notify.drain()
+    notify.forget()
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(FLOORS), "import-ready", str(ws.notify_path), env=child_env()
     )
-    took = await notify.wait_for("READY=1") - t0
+    took = (await notify.wait_stamped(is_ready, 20))[0] - t0
     await proc.wait()
     return took
 
 
 async def starts(
-    ws: Workspace, reps: int, notify: NotifyReader, kubelet: BenchKubelet
+    ws: Workspace, reps: int, notify: NotifyReceiver, kubelet: FakeKubelet
 ) -> tuple[dict[str, object], dict[str, float]]:
     """Daemon starts, each one after a run of the floor, so that both see the same machine load."""
     ready, registered, floor = [], [], []
     for _ in range(reps):
         floor.append(await import_ready_once(ws, notify))
-        notify.drain()
+        notify.forget()
         kubelet.drain()
         t0 = time.monotonic()
         proc = await spawn_daemon(ws)
         try:
-            ready.append(await notify.wait_for("READY=1") - t0)
-            registered.append((await kubelet.next("register", 20)).t - t0)
-            await kubelet.next("list", 20)
+            ready.append((await notify.wait_stamped(is_ready, 20))[0] - t0)
+            registered.append((await kubelet.next_event("register", timeout=20)).t - t0)
+            await kubelet.next_event("list", timeout=20)
         finally:
-            await stop_daemon(proc)
+            await proc.stop()
     return {"ready": summary(ready), "registered": summary(registered)}, summary(floor)
 
 
-async def _restart_once(kubelet: BenchKubelet, resource: str | None) -> tuple[float, float]:
-    """Restart ``kubelet``; kubelet.sock re-created -> Register received, and -> first device list."""
+async def _restart_once(kubelet: FakeKubelet, resource: str | None) -> tuple[float, float]:
+    """Restart ``kubelet`` (killed and started: kubelet's way); kubelet.sock re-created -> Register
+    received, and -> first device list."""
     kubelet.drain()
     await kubelet.restart()
-    sock = await kubelet.next("socket")
-    reg = await kubelet.next("register", resource=resource)
-    first = await kubelet.next("list", resource=resource)
+    sock = await kubelet.next_event("socket")
+    reg = await kubelet.next_event("register", resource=resource)
+    first = await kubelet.next_event("list", resource=resource)
     if resource == RESOURCE and first.healthy != COUNT:
         raise RuntimeError(f"after a restart the device list is {first.healthy}/{first.total}")
     return reg.t - sock.t, first.t - sock.t
 
 
-async def restarts(ws: Workspace, kubelet: BenchKubelet, reps: int) -> tuple[dict[str, object], dict[str, float]]:
+async def restarts(ws: Workspace, kubelet: FakeKubelet, reps: int) -> tuple[dict[str, object], dict[str, float]]:
     """kubelet restarts for the daemon, each right after one for the floor (a minimal plugin that
     only re-registers; its socket is left in place), so that both see the same machine load."""
-    floor_kubelet = BenchKubelet(ws.floor_dir, wipe=False)
+    floor_kubelet = FakeKubelet(ws.floor_dir, wipe=False, lean=True)
     proc = await spawn_floor("register", str(ws.floor_dir))
     registered, listed, floor = [], [], []
     try:
@@ -368,16 +313,16 @@ async def floor_uevent(reps: int) -> dict[str, object]:
     return {"source": uevent_source(), **summary(delays)}
 
 
-async def _health_after_uevent(kubelet: BenchKubelet, want: int) -> float:
+async def _health_after_uevent(kubelet: FakeKubelet, want: int) -> float:
     """Ask for a kvm uevent; the time until kubelet's list has ``want`` healthy units."""
     t0 = await asyncio.to_thread(write_uevent)
     while True:
-        ev = await kubelet.next("list", 2.0, resource=RESOURCE)
+        ev = await kubelet.next_event("list", resource=RESOURCE, timeout=2.0)
         if ev.healthy == want:
             return ev.t - t0
 
 
-async def uevents(ws: Workspace, kubelet: BenchKubelet, reps: int) -> dict[str, object]:
+async def uevents(ws: Workspace, kubelet: FakeKubelet, reps: int) -> dict[str, object]:
     """Node removed, then a real uevent -> Unhealthy; node back, uevent -> Healthy.
 
     An event can be lost when udevd starts or stops during the run (the daemon chose its event source
@@ -458,7 +403,7 @@ async def allocate_figures(call: Callable[[], Awaitable[object]], plan: Plan) ->
     return out, done
 
 
-async def allocates(kubelet: BenchKubelet, plan: Plan) -> tuple[dict[str, object], int]:
+async def allocates(kubelet: FakeKubelet, plan: Plan) -> tuple[dict[str, object], int]:
     stub = kubelet.stub(RESOURCE)
     request = allocate_request()
 
@@ -490,7 +435,7 @@ async def floor_allocates(ws: Workspace, plan: Plan) -> dict[str, object]:
 def list_and_watch(plan: Plan) -> dict[str, object]:
     """One ListAndWatch message as the daemon makes it, in this process: its size, the first build
     for a health state, each later one (any cache the daemon keeps warm), and grpc's encoding of it."""
-    cache = getattr(plugin, "_device_list", None)
+    cache = servicer.device_list
     out: dict[str, object] = {}
     for count, reps in plan.law_reps:
         resource = Resource(DeviceConfig(resource=RESOURCE, path="/dev/kvm", count=count))
@@ -498,13 +443,12 @@ def list_and_watch(plan: Plan) -> dict[str, object]:
         first, again, encodes = [], [], []
         size = 0
         for _ in range(reps):
-            if cache is not None:
-                cache.cache_clear()
+            cache.cache_clear()
             t = time.perf_counter()
-            plugin._response(resource)
+            servicer.list_response(resource)
             first.append(time.perf_counter() - t)
             t = time.perf_counter()
-            message = plugin._response(resource)
+            message = servicer.list_response(resource)
             again.append(time.perf_counter() - t)
             t = time.perf_counter()
             size = len(message.SerializeToString())
@@ -651,9 +595,10 @@ async def measure(plan: Plan) -> dict[str, object]:
     }
     floors: dict[str, object] = {}
     results["floor"] = floors
-    notify = NotifyReader(ws.notify)
-    kubelet = BenchKubelet(ws.plugin_dir)
-    proc: asyncio.subprocess.Process | None = None
+    notify = NotifyReceiver(ws.notify_path)
+    notify.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    kubelet = FakeKubelet(ws.plugin_dir, lean=True)
+    proc: DaemonProcess | None = None
     try:
         # Floors first, with no daemon running beside them.
         progress("floors")
@@ -669,10 +614,10 @@ async def measure(plan: Plan) -> dict[str, object]:
 
         progress("one daemon under load")
         kubelet.drain()
-        notify.drain()
+        notify.forget()
         proc = await spawn_daemon(ws)
-        await notify.wait_for("READY=1")
-        await kubelet.next("list", 20, resource=RESOURCE)
+        await notify.wait_for(is_ready, 20)
+        await kubelet.next_event("list", resource=RESOURCE, timeout=20)
         await asyncio.sleep(1.0)
         results["rss_start_kib"] = rss_kib(proc.pid)
         progress(f"{plan.restarts} kubelet restarts")
@@ -688,18 +633,18 @@ async def measure(plan: Plan) -> dict[str, object]:
         await asyncio.sleep(1.0)
         results["idle"], floors["idle_grpc_server"] = await idle(proc.pid, plan.idle, ws.dir)
         results["idle_strace"] = await strace_idle(proc.pid, plan.strace, ws.dir)
-        await stop_daemon(proc)
-        check_exit(proc, ws)
+        await proc.stop()
+        check_exit(proc)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            sys.stderr.write(ws.log.read_text()[-4000:])
+        if proc is not None:
+            sys.stderr.write(proc.log()[-4000:])
         raise
     finally:
-        if proc is not None and proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        if proc is not None and proc.proc is not None and proc.proc.returncode is None:
+            proc.proc.kill()
+            await proc.proc.wait()
         await kubelet.stop()
-        notify.close()
+        await notify.close()
         ws.close()
     return results
 

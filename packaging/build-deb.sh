@@ -58,12 +58,12 @@ if [ -n "$version" ]; then
     mv "$stage/debian/changelog.new" "$stage/debian/changelog"
 fi
 
-# The Debian version must carry the Python project's version.
-py_version=$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$top/pyproject.toml" | head -n 1)
+# The Debian version must carry the package's version (src/ate_devplugd/__init__.py, the one source).
+py_version=$(sed -n 's/^__version__ *= *"\(.*\)"/\1/p' "$top/src/ate_devplugd/__init__.py" | head -n 1)
 deb_version=$(cd "$stage" && dpkg-parsechangelog -S Version)
 case "$deb_version" in
     "$py_version"|"$py_version"[+~.-]*) ;;
-    *) echo "$0: debian/changelog version $deb_version does not match pyproject.toml version $py_version" >&2
+    *) echo "$0: debian/changelog version $deb_version does not match the package version $py_version (src/ate_devplugd/__init__.py)" >&2
        exit 1 ;;
 esac
 

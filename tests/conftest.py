@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import FakeKernel, kvm_available, make_kvm_node
+
 TEST_TIMEOUT = float(os.environ.get("ATE_TEST_TIMEOUT", "60"))
 _SEED = int(os.environ.get("ATE_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
 
@@ -44,16 +46,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
-def _kvm_available() -> bool:
-    return Path("/sys/class/misc/kvm/dev").exists()
-
-
 @pytest.fixture
 def dev_root(tmp_path: Path) -> Path:
     """A directory standing in for ``/``, holding ``dev/kvm`` as a real character node (10:232)."""
     if os.geteuid() != 0:
         pytest.skip("mknod needs root")
-    if not _kvm_available():
+    if not kvm_available():
         pytest.skip("the kernel has no kvm misc device")
     root = tmp_path / "root"
     (root / "dev").mkdir(parents=True)
@@ -61,11 +59,21 @@ def dev_root(tmp_path: Path) -> Path:
     return root
 
 
-def make_kvm_node(root: Path) -> Path:
-    major, minor = (int(x) for x in Path("/sys/class/misc/kvm/dev").read_text().split(":"))
-    node = root / "dev" / "kvm"
-    os.mknod(node, 0o600 | 0o020000, os.makedev(major, minor))
-    return node
+@pytest.fixture
+def fake_root(tmp_path: Path) -> Path:
+    """A directory standing in for ``/`` for ``FakeKernel``: ``dev/`` exists, nodes live in the kernel's table."""
+    root = tmp_path / "fake-root"
+    (root / "dev" / "char").mkdir(parents=True)
+    (root / "dev" / "char" / "10:232").symlink_to("../kvm")
+    return root
+
+
+@pytest.fixture
+def kernel(fake_root: Path) -> FakeKernel:
+    """A FakeKernel whose table holds the kvm node at ``fake_root``/dev/kvm."""
+    fake = FakeKernel()
+    fake.add_node(fake_root / "dev" / "kvm")
+    return fake
 
 
 @pytest.fixture

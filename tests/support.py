@@ -1,21 +1,51 @@
-"""Helpers for tests that run the daemon as a real subprocess."""
+"""The one test harness, used by tests/, tests/fault/ and bench/.
+
+- ``FakeKubelet`` (tests/fakes/kubelet.py) and ``started_kubelet``: kubelet's device manager;
+- ``DaemonProcess`` / ``daemon()``: ``python -m ate_devplugd run`` as a subprocess;
+- ``DaemonInProcess`` / ``daemon_in_process()``: the daemon on the test's own loop, with ``FakeKernel``
+  standing in for the kernel's device nodes and ``FakeMonitor`` for udev (no root, no /dev/kvm);
+- ``NotifyReceiver``: a real sd_notify socket (read continuously, or left unread to stall);
+- ``EventRecorder``: the daemon's log events, in process;
+- char nodes: ``make_kvm_node`` (a real mknod, root) and ``kvm_uevent`` (a real kernel uevent).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import errno
+import logging
 import os
 import signal
 import socket
+import stat
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
+
+from ate_devplugd import endpoint
+from ate_devplugd._pb import api_pb2, api_pb2_grpc
+from ate_devplugd.config import Config, DeviceConfig
+from ate_devplugd.daemon import Daemon
+from ate_devplugd.devices import Presence, Resource
+from ate_devplugd.inotify import DirEvent, DirWatcher
+from ate_devplugd.kernel import NodeStat
+from ate_devplugd.logs import FIELD_EVENT
+from ate_devplugd.notify import Notifier
 from tests.fakes.kubelet import FakeKubelet
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-KVM_UEVENT = Path("/sys/class/misc/kvm/uevent")
+KVM_SYSFS = Path("/sys/class/misc/kvm")
+KVM_UEVENT = KVM_SYSFS / "uevent"
 FAKES = Path(__file__).resolve().parent / "fakes"
+RESOURCE = "ate.dev/kvm"
+SOCKET = "ate.dev-kvm.sock"
+KVM_DEVNUM = (10, 232)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -36,18 +66,320 @@ def write_config(path: Path, plugin_dir: Path, dev_root: Path, devices: str | No
     return path
 
 
+def kvm_config(plugin_dir: Path, dev_root: Path, count: int = 4096, **device: Any) -> Config:
+    """The default kvm resource (``count`` units) on these directories."""
+    return Config(
+        plugin_dir=str(plugin_dir),
+        dev_root=str(dev_root),
+        devices=(DeviceConfig(RESOURCE, "/dev/kvm", count=count, **device),),
+    )
+
+
+PRESENT = Presence(True, True, "character device 10:232")
+GONE = Presence(False, False, "/dev/kvm does not exist")
+
+
+def kvm_resource(count: int = 8, permissions: str = "rw") -> Resource:
+    """The kvm resource, present and healthy."""
+    resource = Resource(DeviceConfig(RESOURCE, "/dev/kvm", count=count, permissions=permissions))
+    resource.update(PRESENT)
+    return resource
+
+
+@contextlib.asynccontextmanager
+async def served(
+    directory: Path, resource: Resource
+) -> AsyncIterator[tuple[endpoint.PluginServer, api_pb2_grpc.DevicePluginStub]]:
+    """``resource`` served on a real socket in ``directory``, and a stub connected to it."""
+    server = endpoint.PluginServer(resource, str(directory / resource.config.socket_name))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(endpoint.unix_target(server.socket_path)) as channel:
+            yield server, api_pb2_grpc.DevicePluginStub(channel)
+    finally:
+        await server.stop()
+
+
+def alloc(*id_lists: list[str]) -> api_pb2.AllocateRequest:
+    return api_pb2.AllocateRequest(
+        container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in id_lists]
+    )
+
+
+# -- char nodes ------------------------------------------------------------------------------------
+
+
+def kvm_available() -> bool:
+    """The kernel has a kvm misc device (``ATE_TEST_NO_KVM=1`` pretends it has none)."""
+    return os.environ.get("ATE_TEST_NO_KVM", "") in ("", "0") and (KVM_SYSFS / "dev").exists()
+
+
+def make_kvm_node(root: Path) -> Path:
+    """A real character node at root/dev/kvm with the kernel's kvm numbers (needs root)."""
+    major, minor = (int(x) for x in (KVM_SYSFS / "dev").read_text().split(":"))
+    node = root / "dev" / "kvm"
+    os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(major, minor))
+    return node
+
+
+def kvm_uevent() -> None:
+    """Emit a real kernel uevent for the kvm misc device (a hint for the daemon to look again)."""
+    KVM_UEVENT.write_text("change")
+
+
+class FakeKernel:
+    """A KernelView with a table of character nodes instead of the real ones, sysfs and ioctls.
+
+    Paths not in the table are stat'ed for real (a regular file or a directory is "not a character
+    device"), so tests need neither root nor /dev/kvm.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, tuple[int, int]] = {}
+        self.names: dict[tuple[int, int], str] = {KVM_DEVNUM: "/dev/kvm"}
+        self.static: dict[str, tuple[int, int]] = {}
+        self.kvm_version = 12
+        self.kvm_error: OSError | None = None
+        self.open_error: OSError | None = None
+        self.opened: list[str] = []
+
+    def add_node(self, path: Path | str, devnum: tuple[int, int] = KVM_DEVNUM) -> None:
+        self.nodes[str(path)] = devnum
+
+    def remove_node(self, path: Path | str) -> None:
+        self.nodes.pop(str(path), None)
+
+    def stat_node(self, path: str) -> NodeStat:
+        if path in self.nodes:
+            return NodeStat(True, *self.nodes[path])
+        st = os.stat(path)
+        if stat.S_ISCHR(st.st_mode):
+            return NodeStat(True, os.major(st.st_rdev), os.minor(st.st_rdev))
+        return NodeStat(is_char=False)
+
+    def devnode(self, major: int, minor: int) -> str | None:
+        return self.names.get((major, minor))
+
+    def static_devnum(self, path: str) -> tuple[int, int] | None:
+        return self.static.get(path)
+
+    def kvm_api_version(self, path: str) -> int:
+        self._check(path, self.kvm_error)
+        return self.kvm_version
+
+    def open_node(self, path: str) -> None:
+        self._check(path, self.open_error)
+        self.opened.append(path)
+
+    def _check(self, path: str, error: OSError | None) -> None:
+        if path not in self.nodes:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        if error is not None:
+            raise error
+
+
+class FakeUEvent:
+    """What the daemon reads of a pyudev Device."""
+
+    def __init__(self, action: str, subsystem: str, sys_name: str, device_node: str | None) -> None:
+        self.action, self.subsystem, self.sys_name, self.device_node = action, subsystem, sys_name, device_node
+
+
+class FakeMonitor:
+    """A udev monitor backed by a real pipe (as pyudev's own tests do): the daemon's fd code runs unchanged."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._events: collections.deque[FakeUEvent] = collections.deque()
+        self.filters: set[str] = set()
+
+    def emit(self, action: str = "change", subsystem: str = "misc", sys_name: str = "kvm") -> None:
+        self._events.append(FakeUEvent(action, subsystem, sys_name, f"/dev/{sys_name}"))
+        os.write(self._write, b"x")
+
+    def fileno(self) -> int:
+        return self._read
+
+    def filter_by(self, subsystem: str) -> None:
+        self.filters.add(subsystem)
+
+    def remove_filter(self) -> None:
+        self.filters.clear()
+
+    def start(self) -> None:
+        pass
+
+    def poll(self, timeout: float | None = None) -> FakeUEvent | None:
+        try:
+            os.read(self._read, 1)
+        except BlockingIOError:
+            return None
+        return self._events.popleft()
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
+# -- the daemon's outputs ----------------------------------------------------------------------------
+
+
+class NotifyReceiver:
+    """A real sd_notify receiver: an AF_UNIX datagram socket the daemon sends to.
+
+    ``start_reading()`` reads every datagram as it arrives (as systemd does) onto a queue, stamped
+    with CLOCK_MONOTONIC; until then nothing is read, as with a stalled systemd.
+    """
+
+    def __init__(self, path: Path, *, read: bool = True) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self.sock.bind(str(path))
+        self.received: asyncio.Queue[tuple[float, dict[str, str]]] = asyncio.Queue()
+        self.history: list[dict[str, str]] = []
+        self._task: asyncio.Task[None] | None = None
+        if read:
+            self.start_reading()
+
+    def start_reading(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await loop.sock_recv(self.sock, 65536)
+            fields = dict(line.split("=", 1) for line in data.decode(errors="replace").splitlines() if "=" in line)
+            self.history.append(fields)
+            self.received.put_nowait((time.monotonic(), fields))
+
+    async def wait_for(self, pred: Callable[[dict[str, str]], bool], timeout: float = 10.0) -> dict[str, str]:
+        return (await self.wait_stamped(pred, timeout))[1]
+
+    async def wait_stamped(
+        self, pred: Callable[[dict[str, str]], bool], timeout: float = 10.0
+    ) -> tuple[float, dict[str, str]]:
+        """The first datagram from now on for which ``pred`` holds, with the time it was read."""
+        async with asyncio.timeout(timeout):
+            while True:
+                stamped = await self.received.get()
+                if pred(stamped[1]):
+                    return stamped
+
+    def forget(self) -> None:
+        """Drop what was received so far: the next wait sees only later datagrams."""
+        while not self.received.empty():
+            self.received.get_nowait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.sock.close()
+
+
+class EventRecorder(logging.Handler):
+    """The daemon's event records (those with ATE_EVENT), in process, on a queue."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.queue: asyncio.Queue[logging.LogRecord] = asyncio.Queue()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        if getattr(record, FIELD_EVENT, None):
+            self.queue.put_nowait(record)
+
+    def named(self, name: str) -> list[logging.LogRecord]:
+        return [r for r in self.records if getattr(r, FIELD_EVENT, None) == name]
+
+    async def wait_for(self, name: str, timeout: float = 10.0) -> logging.LogRecord:
+        async with asyncio.timeout(timeout):
+            while True:
+                record = await self.queue.get()
+                if getattr(record, FIELD_EVENT) == name:
+                    return record
+
+    def text(self) -> str:
+        return "\n".join(f"{r.levelname} {r.getMessage()} [{getattr(r, FIELD_EVENT, '')}]" for r in self.records)
+
+
+@contextlib.contextmanager
+def recording_events() -> Any:
+    """Record the daemon's log records (every level) while the block runs."""
+    recorder = EventRecorder()
+    logger = logging.getLogger("ate_devplugd")
+    level = logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield recorder
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+
+
+# -- the daemon ----------------------------------------------------------------------------------------
+
+
+class DaemonInProcess:
+    """The daemon run on the test's loop: ``stop()`` returns its exit status."""
+
+    def __init__(self, daemon: Daemon, task: asyncio.Task[int], events: EventRecorder) -> None:
+        self.daemon = daemon
+        self.task = task
+        self.events = events
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        self.daemon.request_stop()
+        async with asyncio.timeout(timeout):
+            return await self.task
+
+
+@contextlib.asynccontextmanager
+async def daemon_in_process(
+    config: Config,
+    kernel: FakeKernel,
+    *,
+    monitor: FakeMonitor | None = None,
+    reload_config: Callable[[], Config] | None = None,
+    notify: Path | None = None,
+) -> AsyncIterator[DaemonInProcess]:
+    """``Daemon`` on this loop with ``kernel`` for the device nodes and ``monitor`` for udev."""
+    factory = (lambda: (monitor, "udev")) if monitor is not None else None
+    notifier = Notifier(str(notify) if notify is not None else None)
+    with recording_events() as events:
+        daemon = Daemon(config, reload_config=reload_config, kernel=kernel, monitor_factory=factory, notifier=notifier)
+        task = asyncio.get_running_loop().create_task(daemon.run())
+        try:
+            yield DaemonInProcess(daemon, task, events)
+        finally:
+            if not task.done():
+                daemon.request_stop()
+                try:
+                    async with asyncio.timeout(10):
+                        await task
+                except TimeoutError:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+
 class DaemonProcess:
     """``python -m ate_devplugd run`` as a subprocess, its stderr kept in a file."""
 
-    def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None, log_level: str = "debug") -> None:
         self.config = config
         self.args = args
         self.env = env or subprocess_env()
+        self.log_level = log_level
         self.log_path = config.with_suffix(f".{id(self)}.log")
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> DaemonProcess:
-        log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -59,7 +391,7 @@ class DaemonProcess:
                 "--log-target",
                 "console",
                 "--log-level",
-                "debug",
+                self.log_level,
                 *self.args,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
@@ -113,38 +445,11 @@ async def daemon(config: Path, *args: str, env: dict[str, str] | None = None) ->
                 await proc.stop()
 
 
-class NotifySocket:
-    """A real sd_notify receiver: an AF_UNIX datagram socket the daemon sends to."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-        self.sock.bind(str(path))
-        self.messages: list[tuple[float, dict[str, str]]] = []
-
-    def close(self) -> None:
-        self.sock.close()
-
-    async def next(self, timeout: float = 10.0) -> dict[str, str]:
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout):
-            data = await loop.sock_recv(self.sock, 65536)
-        fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
-        self.messages.append((loop.time(), fields))
-        return fields
-
-    async def wait_for(self, pred: Callable[[dict[str, str]], bool], timeout: float = 10.0) -> dict[str, str]:
-        async with asyncio.timeout(timeout):
-            while True:
-                fields = await self.next(timeout)
-                if pred(fields):
-                    return fields
+# -- waiting -------------------------------------------------------------------------------------------
 
 
 async def wait_for_path(path: Path, timeout: float = 10.0) -> None:
     """Wait until ``path`` exists, on an inotify watch of its directory (no polling)."""
-    from ate_devplugd.inotify import DirEvent, DirWatcher
-
     appeared = asyncio.Event()
 
     def on_events(events: list[DirEvent]) -> None:
@@ -161,13 +466,8 @@ async def wait_for_path(path: Path, timeout: float = 10.0) -> None:
         watch.close()
 
 
-def kvm_uevent() -> None:
-    """Emit a real kernel uevent for the kvm misc device (a hint for the daemon to re-probe)."""
-    KVM_UEVENT.write_text("change")
-
-
-async def started_kubelet(plugin_dir: Path) -> FakeKubelet:
+async def started_kubelet(plugin_dir: Path, **options: Any) -> FakeKubelet:
     """A fake kubelet serving ``plugin_dir`` (its sockets wiped first, as kubelet does)."""
-    kubelet = FakeKubelet(plugin_dir)
+    kubelet = FakeKubelet(plugin_dir, **options)
     await kubelet.start()
     return kubelet

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,10 +13,8 @@ from ate_devplugd import __version__
 from ate_devplugd import config as configmod
 from ate_devplugd.config import DEFAULT_CONFIG_PATH, DEFAULT_PLUGIN_DIR, ConfigError
 
-EX_OK = 0
+#: `probe` found a socket that does not answer (os.EX_* has no name for it).
 EX_FAILURE = 1
-EX_USAGE = 2
-EX_CONFIG = 78
 #: How long, at exit, the loop is kept for tasks gRPC still has on it.
 LEFTOVER_TASKS_TIMEOUT = 0.5
 
@@ -88,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
 def _config_error(exc: ConfigError) -> int:
     for line in exc.errors:
         print(f"ate-devplugd: config error: {line}", file=sys.stderr)
-    return EX_CONFIG
+    return os.EX_CONFIG
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "check-config":
         sys.stdout.write(configmod.render(cfg))
-        return EX_OK
+        return os.EX_OK
     if args.command == "probe":
         return _probe(cfg, args.timeout)
     return _run(cfg, args, early)
@@ -169,14 +168,14 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
         print(f"no plugin sockets in {cfg.plugin_dir}")
         return EX_FAILURE
     print(nodeprobe.render(rows))
-    return EX_FAILURE if any(row.error for row in rows) else EX_OK
+    return EX_FAILURE if any(row.error for row in rows) else os.EX_OK
 
 
 def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) -> int:
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
     from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon
-    from ate_devplugd.systemd import setup_logging  # noqa: PLC0415
+    from ate_devplugd.logs import setup_logging  # noqa: PLC0415
 
     setup_logging(args.log_target, cfg.log_level)
     log = logging.getLogger("ate_devplugd")
@@ -187,7 +186,7 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
     if early.stop:
-        return EX_OK
+        return os.EX_OK
     daemon = Daemon(cfg, reload_config=reload_config)
 
     async def run() -> int:

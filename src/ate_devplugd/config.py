@@ -91,6 +91,28 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class ConfigDiff:
+    """Resource names by what a new config does to them, each in the new (or old) config's order."""
+
+    added: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+def diff(old: Config, new: Config) -> ConfigDiff:
+    """Compare the ``[[device]]`` tables of two configs by resource name (a resource's identity)."""
+    before = {dev.resource: dev for dev in old.devices}
+    after = {dev.resource: dev for dev in new.devices}
+    return ConfigDiff(
+        added=tuple(name for name in after if name not in before),
+        changed=tuple(name for name in after if name in before and after[name] != before[name]),
+        removed=tuple(name for name in before if name not in after),
+        unchanged=tuple(name for name in after if name in before and after[name] == before[name]),
+    )
+
+
 def is_extended_resource_name(name: str) -> bool:
     """Kubelet's rule for a device plugin's resource name (an extended resource name)."""
     if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):

@@ -12,7 +12,8 @@ import grpc
 
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.devices import HEALTHY
-from ate_devplugd.plugin import KUBELET_SOCKET, unix_target
+from ate_devplugd.endpoint import unix_target
+from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 
 
 @dataclass

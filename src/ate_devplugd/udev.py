@@ -1,8 +1,8 @@
-"""udev netlink events on the asyncio loop: every event is a hint to re-probe.
+"""udev netlink events on the asyncio loop: every event is a hint to look at the devices again.
 
 The monitor's fd goes on the loop with ``add_reader``; when it is readable every queued event is
 drained with ``poll(timeout=0)`` and the owner is called once for the batch. Lost messages (ENOBUFS)
-are reported as a hint too, so a re-probe puts the state right whatever was dropped.
+are reported as a hint too, so looking again puts the state right whatever was dropped.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def default_monitor(context: object) -> tuple[MonitorLike, str]:
     try:
         monitor.set_receive_buffer_size(RECEIVE_BUFFER)
     except OSError as exc:
-        log.debug("cannot enlarge the netlink receive buffer (%s); lost events only cost a re-probe", exc)
+        log.debug("cannot enlarge the netlink receive buffer (%s); lost events only cost another look", exc)
     return monitor, source
 
 
@@ -75,7 +75,7 @@ class UdevWatcher:
         return self._subsystems
 
     def start(self) -> None:
-        """Start receiving; call before the first probe so no change falls between the two."""
+        """Start receiving; call before the first look at the devices so no change falls between the two."""
         for subsystem in sorted(self._subsystems):
             self._monitor.filter_by(subsystem)
         self._monitor.start()

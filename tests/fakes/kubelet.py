@@ -1,12 +1,17 @@
 """A fake kubelet device manager that behaves as kubelet's own code does toward a device plugin.
 
-- start: removes every socket in its directory (not other files), then serves ``kubelet.sock``;
+- start: removes every socket in its directory in name order (not other files; Go's os.ReadDir
+  sorts), then serves ``kubelet.sock``;
 - Register: checks the version ("v1beta1"), the extended resource name and that the endpoint is a bare
   file name; dials the endpoint back and calls GetDevicePluginOptions *before* replying; only then
   opens ListAndWatch, recording every message;
 - a new registration for a resource replaces the old one; one that arrives while the old stream is
   still open is recorded as ``double-register`` (kubelet 1.32 can then drop the new one);
-- ``restart()`` stops, wipes the sockets and serves a new ``kubelet.sock``.
+- ``restart()`` is a kubelet killed and started again: the old ``kubelet.sock`` stays behind, dead, until
+  the new kubelet's wipe removes it (after ``ate.dev-…`` sockets, by name order); ``graceful=True``
+  removes it at the stop instead;
+- ``lean=True`` (the benchmark) keeps each ListAndWatch message as bytes and only counts the units,
+  so recording costs next to nothing.
 
 Tests read ``events`` (an asyncio.Queue) with timeouts. Run as a script it serves a directory and
 appends one JSON line per event to a log file; SIGHUP restarts it, SIGTERM stops it.
@@ -22,6 +27,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import sys
 import time
@@ -57,26 +63,24 @@ def extended_resource_name_ok(name: str) -> bool:
     return 0 < len(rest) <= 63 and bool(_NAME.match(rest)) and len(prefix) <= 253 and bool(_SUBDOMAIN.match(prefix))
 
 
+LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
+#: Device.health (field 2, length-delimited) as encoded on the wire.
+HEALTHY_FIELD = b"\x12\x07Healthy"
+UNHEALTHY_FIELD = b"\x12\x09Unhealthy"
+
+
 @dataclass
 class Event:
+    """One step, stamped with CLOCK_MONOTONIC when it reached this process's Python code."""
+
     kind: str
     resource: str = ""
     endpoint: str = ""
-    devices: list[tuple[str, str]] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    healthy: int = 0
+    total: int = 0
     error: str = ""
     t: float = field(default_factory=time.monotonic)
-
-    @property
-    def healthy(self) -> int:
-        return sum(1 for _, health in self.devices if health == "Healthy")
-
-    @property
-    def total(self) -> int:
-        return len(self.devices)
-
-    @property
-    def ids(self) -> list[str]:
-        return [device_id for device_id, _ in self.devices]
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"t": time.time(), "event": self.kind}
@@ -117,8 +121,12 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
 
 
 class FakeKubelet:
-    def __init__(self, directory: Path | str, *, log: Any = None) -> None:
+    """kubelet's device manager on ``directory``; ``wipe=False`` leaves plugin sockets alone (bench floors)."""
+
+    def __init__(self, directory: Path | str, *, log: Any = None, wipe: bool = True, lean: bool = False) -> None:
         self.dir = Path(directory)
+        self.wipe_at_start = wipe
+        self.lean = lean
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.history: list[Event] = []
         self.endpoints: dict[str, Endpoint] = {}
@@ -142,9 +150,9 @@ class FakeKubelet:
             self._log.flush()
 
     def wipe(self) -> None:
-        """What kubelet's device manager does at start: remove every socket in the directory."""
+        """What kubelet's device manager does at start: remove every socket in the directory, in name order."""
         self.dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        for entry in self.dir.iterdir():
+        for entry in sorted(self.dir.iterdir()):
             if entry.name == CHECKPOINT:
                 continue
             with contextlib.suppress(FileNotFoundError):
@@ -153,24 +161,33 @@ class FakeKubelet:
 
     async def start(self) -> None:
         self._incarnation += 1
-        self.wipe()
+        if self.wipe_at_start:
+            self.wipe()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
         server = grpc.aio.server()
         api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
         server.add_insecure_port("unix://" + str(self.socket_path.resolve()))
+        # The socket file exists from here on: this is when a plugin's inotify watch fires.
+        self._record(Event("socket"))
         await server.start()
         self._server = server
         self._record(Event("listening"))
 
-    async def stop(self) -> None:
+    async def stop(self, *, graceful: bool = True) -> None:
+        """Stop serving; ``graceful=False`` leaves a dead ``kubelet.sock`` behind, as a killed kubelet does."""
         server, self._server = self._server, None
         if server is not None:
             await server.stop(None)
+            if not graceful:
+                _leave_dead_socket(self.socket_path)
         for endpoint in list(self.endpoints.values()):
             await self._drop(endpoint)
         self.endpoints.clear()
 
-    async def restart(self) -> None:
-        await self.stop()
+    async def restart(self, *, graceful: bool = False) -> None:
+        await self.stop(graceful=graceful)
         self._record(Event("restart"))
         await self.start()
 
@@ -184,6 +201,7 @@ class FakeKubelet:
     async def handle_register(
         self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.Empty:
+        received = time.monotonic()
         incarnation = self._incarnation
         name = request.resource_name
         if self.register_delay:
@@ -226,18 +244,24 @@ class FakeKubelet:
         self.endpoints[name] = endpoint
         if old is not None:
             await self._drop(old)
-        self._record(Event("register", name, request.endpoint))
+        self._record(Event("register", name, request.endpoint, t=received))
         # kubelet starts ListAndWatch only after Register has returned.
         endpoint.stream_task = asyncio.get_running_loop().create_task(self._list_and_watch(endpoint))
         return api_pb2.Empty()
 
     async def _list_and_watch(self, endpoint: Endpoint) -> None:
         await asyncio.sleep(0)
-        call = endpoint.stub.ListAndWatch(api_pb2.Empty())
+        if self.lean:
+            # Kept as bytes: kubelet decodes in Go, and a Python decode here would be counted against the
+            # plugin. Each Device ends with its health field, so counting those tells healthy from total.
+            call = endpoint.channel.unary_stream(LIST_AND_WATCH, request_serializer=api_pb2.Empty.SerializeToString)(
+                api_pb2.Empty()
+            )
+        else:
+            call = endpoint.stub.ListAndWatch(api_pb2.Empty())
         try:
             async for response in call:
-                endpoint.latest = response
-                self._record(Event("list", endpoint.resource, devices=[(d.ID, d.health) for d in response.devices]))
+                self._record(self._list_event(endpoint, response))
         except grpc.aio.AioRpcError as exc:
             self._record(Event("stream-ended", endpoint.resource, error=exc.code().name))
             return
@@ -245,6 +269,18 @@ class FakeKubelet:
             call.cancel()
             raise
         self._record(Event("stream-ended", endpoint.resource, error="returned"))
+
+    def _list_event(self, endpoint: Endpoint, response: Any) -> Event:
+        if self.lean:
+            healthy = response.count(HEALTHY_FIELD)
+            return Event("list", endpoint.resource, healthy=healthy, total=healthy + response.count(UNHEALTHY_FIELD))
+        endpoint.latest = response
+        ids = [d.ID for d in response.devices]
+        healthy = sum(1 for d in response.devices if d.health == "Healthy")
+        return Event("list", endpoint.resource, ids=ids, healthy=healthy, total=len(ids))
+
+    def stub(self, resource: str) -> api_pb2_grpc.DevicePluginStub:
+        return self.endpoints[resource].stub
 
     async def allocate(self, resource: str, *id_lists: list[str]) -> api_pb2.AllocateResponse:
         endpoint = self.endpoints[resource]
@@ -268,6 +304,14 @@ class FakeKubelet:
         while not self.events.empty():
             out.append(self.events.get_nowait())
         return out
+
+
+def _leave_dead_socket(path: Path) -> None:
+    """A socket file nobody listens on (what a killed process leaves), unless one is there already."""
+    if not path.exists():
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dead.bind(str(path))
+        dead.close()
 
 
 async def _serve_forever(directory: str, log_path: str | None) -> int:

@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.fakes.kubelet import Event, FakeKubelet
+from tests.support import RESOURCE, SOCKET
 
 SOAK = os.environ.get("ATE_SOAK", "") not in ("", "0")
 
@@ -30,8 +31,6 @@ FD_SLACK = 3
 #: gRPC's thread pools grow on demand up to a fixed size; likewise bounded, not growing with N.
 THREAD_SLACK = 2
 TICKS = os.sysconf("SC_CLK_TCK")
-RESOURCE = "ate.dev/kvm"
-SOCKET = "ate.dev-kvm.sock"
 
 
 def scale(fast: int, soak: int) -> int:
@@ -161,45 +160,3 @@ def read_only_bind(directory: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=True)
-
-
-class NotifyDrain:
-    """sd_notify datagrams read as they arrive, as systemd does.
-
-    The daemon's sd_notify is a blocking send: a receiver that stops reading (the kernel queues 10
-    datagrams per socket by default) would freeze it. So a task reads all the time, and tests wait
-    for a state on a queue.
-    """
-
-    def __init__(self, path: Path) -> None:
-        from tests.support import NotifySocket
-
-        self.socket = NotifySocket(path)
-        self.path = path
-        self.received: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-        self.history: list[dict[str, str]] = []
-        self._task = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        while True:
-            fields = await self.socket.next(timeout=3600)
-            self.history.append(fields)
-            self.received.put_nowait(fields)
-
-    async def wait_for(self, pred: Callable[[dict[str, str]], bool], timeout: float = 10.0) -> dict[str, str]:
-        async with asyncio.timeout(timeout):
-            while True:
-                fields = await self.received.get()
-                if pred(fields):
-                    return fields
-
-    def forget(self) -> None:
-        """Drop what was received so far: the next wait_for sees only later datagrams."""
-        while not self.received.empty():
-            self.received.get_nowait()
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.socket.close()

@@ -19,7 +19,6 @@ import random
 import time
 from pathlib import Path
 
-from tests.conftest import make_kvm_node
 from tests.fakes.kubelet import FakeKubelet
 from tests.fault.harness import (
     RESOURCE,
@@ -33,7 +32,7 @@ from tests.fault.harness import (
     settled,
     sockets_in,
 )
-from tests.support import daemon, kvm_uevent, started_kubelet, write_config
+from tests.support import daemon, kvm_uevent, make_kvm_node, started_kubelet, write_config
 
 CYCLES = scale(100, 1000)
 #: The most a list may lag behind the node: a Healthy list for a node absent longer than this is wrong.

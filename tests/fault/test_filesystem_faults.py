@@ -26,7 +26,6 @@ import pytest
 from tests.fakes.kubelet import FakeKubelet
 from tests.fault.harness import (
     SOCKET,
-    NotifyDrain,
     ProcFigures,
     assert_no_leak,
     assert_one_current_registration,
@@ -37,7 +36,7 @@ from tests.fault.harness import (
     settled,
     sockets_in,
 )
-from tests.support import DaemonProcess, daemon, started_kubelet, subprocess_env, write_config
+from tests.support import DaemonProcess, NotifyReceiver, daemon, started_kubelet, subprocess_env, write_config
 
 EPISODE = scale(15, 100) / 10
 #: Share of one CPU the daemon may use while it cannot serve (a retry loop without back-off uses ~100 %).
@@ -49,8 +48,8 @@ RECOVER_WITHIN = 3.0
 @contextlib.asynccontextmanager
 async def running(
     tmp_path: Path, plugin_dir: Path, dev_root: Path, kubelet: FakeKubelet | None
-) -> AsyncIterator[tuple[DaemonProcess, NotifyDrain]]:
-    notify = NotifyDrain(tmp_path / "notify")
+) -> AsyncIterator[tuple[DaemonProcess, NotifyReceiver]]:
+    notify = NotifyReceiver(tmp_path / "notify")
     cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
     try:
         async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
@@ -115,7 +114,9 @@ async def test_plugin_dir_removed_and_recreated(tmp_path: Path, plugin_dir: Path
                 shutil.rmtree(gone)
                 if n % 3 == 0:
                     # gone for a while: the daemon waits for it without spinning
-                    await notify.wait_for(lambda f: f"waiting for {plugin_dir}" in f.get("STATUS", ""))
+                    await notify.wait_for(
+                        lambda f: f"waiting for the plugin directory: {plugin_dir}" in f.get("STATUS", "")
+                    )
                     if n == 0:
                         await idle_episode(proc, "plugin_dir missing")
                 plugin_dir.mkdir(mode=0o750)

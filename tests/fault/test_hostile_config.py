@@ -28,7 +28,6 @@ from ate_devplugd.config import ConfigError
 from tests.fakes.kubelet import extended_resource_name_ok
 from tests.fault.harness import (
     SOCKET,
-    NotifyDrain,
     ProcFigures,
     assert_no_leak,
     daemon_log_clean,
@@ -36,7 +35,7 @@ from tests.fault.harness import (
     settled,
     sockets_in,
 )
-from tests.support import daemon, started_kubelet, subprocess_env, write_config
+from tests.support import NotifyReceiver, daemon, started_kubelet, subprocess_env, write_config
 
 EX_CONFIG = 78
 SETTINGS = settings(
@@ -371,7 +370,7 @@ async def test_path_not_the_device_is_absent(tmp_path: Path, plugin_dir: Path, d
     registration), STATUS says absent with the reason; the daemon stays up and exits 0 on SIGTERM."""
     _not_the_device(dev_root, kind)
     kubelet = await started_kubelet(plugin_dir)
-    notify = NotifyDrain(tmp_path / "notify")
+    notify = NotifyReceiver(tmp_path / "notify")
     cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
     try:
         async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
@@ -403,7 +402,7 @@ async def test_sighup_with_bad_config_keeps_the_old(tmp_path: Path, plugin_dir: 
     """Each bad file then SIGHUP: RELOADING=1, READY=1 again, the error logged with its field, the same
     socket still registered (no new Register), Allocate still answered; nothing leaked."""
     kubelet = await started_kubelet(plugin_dir)
-    notify = NotifyDrain(tmp_path / "notify")
+    notify = NotifyReceiver(tmp_path / "notify")
     cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
     good = cfg.read_text()
     try:

@@ -24,7 +24,6 @@ from tests.fakes.kubelet import Event, FakeKubelet
 from tests.fault.harness import (
     RESOURCE,
     SOCKET,
-    NotifyDrain,
     ProcFigures,
     assert_no_leak,
     assert_one_current_registration,
@@ -34,7 +33,7 @@ from tests.fault.harness import (
     settled,
     sockets_in,
 )
-from tests.support import DaemonProcess, daemon, subprocess_env, write_config
+from tests.support import DaemonProcess, NotifyReceiver, daemon, subprocess_env, write_config
 
 REGISTER_TIMEOUT = 0.3
 #: How long each bad kubelet misbehaves; the CPU bound below is for this span.
@@ -140,10 +139,10 @@ async def sane_again(kubelet: FakeKubelet, proc: DaemonProcess | None = None) ->
 @contextlib.asynccontextmanager
 async def daemon_with_kubelet(
     tmp_path: Path, plugin_dir: Path, dev_root: Path
-) -> AsyncIterator[tuple[DaemonProcess, MoodyKubelet, NotifyDrain, ProcFigures]]:
+) -> AsyncIterator[tuple[DaemonProcess, MoodyKubelet, NotifyReceiver, ProcFigures]]:
     kubelet = MoodyKubelet(plugin_dir)
     await kubelet.start()
-    notify = NotifyDrain(tmp_path / "notify")
+    notify = NotifyReceiver(tmp_path / "notify")
     env = subprocess_env(NOTIFY_SOCKET=str(notify.path), ATE_DEVPLUGD_REGISTER_TIMEOUT=str(REGISTER_TIMEOUT))
     cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
     try:
@@ -251,7 +250,7 @@ async def test_kubelet_never_calls_list_and_watch(tmp_path: Path, plugin_dir: Pa
 async def test_no_kubelet_sock_idle(tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
     """No kubelet at all: the daemon waits on inotify, using no CPU, and registers when one starts."""
     cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
-    notify = NotifyDrain(tmp_path / "notify")
+    notify = NotifyReceiver(tmp_path / "notify")
     try:
         async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
             await notify.wait_for(lambda f: "READY" in f)

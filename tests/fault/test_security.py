@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.daemon import _InstanceLock
+from ate_devplugd.lock import InstanceLock
 from tests.fault.harness import (
     SOCKET,
-    NotifyDrain,
     assert_one_current_registration,
     daemon_log_clean,
     settled,
 )
 from tests.support import (
     DaemonProcess,
+    NotifyReceiver,
     daemon,
     kvm_uevent,
     started_kubelet,
@@ -99,9 +99,9 @@ def open_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def kvm_root(open_tmp: Path) -> Path:
-    from tests.conftest import _kvm_available, make_kvm_node
+    from tests.support import kvm_available, make_kvm_node
 
-    if not _kvm_available():
+    if not kvm_available():
         pytest.skip("the kernel has no kvm misc device")
     root = open_tmp / "root"
     (root / "dev").mkdir(parents=True)
@@ -115,7 +115,7 @@ async def test_socket_mode_owner_even_with_umask_0(open_tmp: Path, kvm_root: Pat
     creates is 0750 root."""
     plugin_dir = open_tmp / "device-plugins"
     cfg = write_config(open_tmp / "c.toml", plugin_dir, kvm_root)
-    notify = NotifyDrain(open_tmp / "notify")
+    notify = NotifyReceiver(open_tmp / "notify")
     old = os.umask(0)
     try:
         async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
@@ -183,7 +183,7 @@ async def test_nobody_holding_the_lock_name_does_not_stop_the_daemon(
 ) -> None:
     """The instance lock is an abstract socket name, which anyone may bind first. Held by nobody it does
     not keep the daemon from starting (a warning says so); held by a second root daemon it does (73)."""
-    lock = _InstanceLock(str(plugin_dir)).name
+    lock = InstanceLock(str(plugin_dir)).name
     holder = as_nobody(
         "import socket, sys\n"
         "s = socket.socket(socket.AF_UNIX)\n"

@@ -18,12 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import make_kvm_node
 from tests.support import (
     DaemonProcess,
-    NotifySocket,
+    NotifyReceiver,
     daemon,
     kvm_uevent,
+    make_kvm_node,
     started_kubelet,
     subprocess_env,
     wait_for_path,
@@ -227,7 +227,7 @@ class TestHotplug:
         os.unlink(dev_root / "dev" / "kvm")
         kubelet = await started_kubelet(plugin_dir)
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         try:
             env = subprocess_env(NOTIFY_SOCKET=str(notify.path))
             async with daemon(cfg, env=env) as proc:
@@ -240,7 +240,7 @@ class TestHotplug:
                 assert reg.resource == "ate.dev/kvm", proc.log()
                 assert (await kubelet.next_event("list")).healthy == 4096
         finally:
-            notify.close()
+            await notify.close()
             await kubelet.stop()
 
     async def test_vanish_and_return(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_kvm_node
 from tests.fakes.journald import capture_command
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import kvm_uevent, subprocess_env, wait_for_path, write_config
+from tests.support import kvm_uevent, make_kvm_node, subprocess_env, wait_for_path, write_config
 
 UDEVD = Path("/lib/systemd/systemd-udevd")
 UDEV_CONTROL = Path("/run/udev/control")

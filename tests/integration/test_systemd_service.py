@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import NotifySocket, daemon, subprocess_env, wait_for_path, write_config
+from tests.support import NotifyReceiver, daemon, subprocess_env, wait_for_path, write_config
 
 VHOST = '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\ncount = {count}\n'
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = {count}\n'
@@ -36,7 +36,7 @@ def tun_node(root: Path) -> None:
 class TestNotify:
     async def test_ready_before_kubelet_then_status(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """READY=1 comes before any kubelet exists; STATUS then follows registration; STOPPING on SIGTERM."""
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         try:
             async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
@@ -54,11 +54,11 @@ class TestNotify:
                 finally:
                     await kubelet.stop()
         finally:
-            notify.close()
+            await notify.close()
 
     async def test_status_when_kubelet_stops_watching(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """If kubelet closes ListAndWatch while alive, STATUS stops claiming a working registration."""
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         kubelet = FakeKubelet(plugin_dir)
         await kubelet.start()
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
@@ -73,12 +73,12 @@ class TestNotify:
                 await kubelet.restart()
                 await notify.wait_for(lambda f: f.get("STATUS", "").endswith("healthy, registered"))
         finally:
-            notify.close()
+            await notify.close()
             await kubelet.stop()
 
     async def test_status_tells_unhealthy_and_absent(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """STATUS names an absent device and an unhealthy one, with the reason."""
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         devices = KVM.format(count=4) + '[[device]]\nresource = "ate.dev/vhost-vsock"\npath = "/dev/vhost-vsock"\n'
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, devices)
         try:
@@ -92,11 +92,11 @@ class TestNotify:
                 status = await notify.wait_for(lambda f: "ate.dev/kvm: 0/4" in f.get("STATUS", ""))
                 assert "does not exist" in status["STATUS"]
         finally:
-            notify.close()
+            await notify.close()
 
     async def test_watchdog_pings(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """WATCHDOG=1 at half of WATCHDOG_USEC, from the event loop."""
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         env = subprocess_env(NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="200000")
         try:
@@ -112,11 +112,11 @@ class TestNotify:
                 span = times[-1] - times[0]
                 assert 0.7 < span < 1.5, span
         finally:
-            notify.close()
+            await notify.close()
 
     async def test_watchdog_for_another_pid_is_ignored(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """WATCHDOG_PID naming another process: no pings."""
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         env = subprocess_env(NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="100000", WATCHDOG_PID="1")
         try:
@@ -125,22 +125,22 @@ class TestNotify:
                 await proc.signal(signal.SIGTERM)
                 rest = await notify.wait_for(lambda f: "STOPPING" in f)
                 assert rest
-                assert not [m for _, m in notify.messages if "WATCHDOG" in m]
+                assert not [m for m in notify.history if "WATCHDOG" in m]
         finally:
-            notify.close()
+            await notify.close()
 
 
 class TestReload:
     async def test_add_remove_change_keep(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-        """One SIGHUP: the added and changed resources register, the removed one goes, the kept one
-        is not touched (no re-registration, its stream stays open)."""
+        """One SIGHUP: the added resource registers, the changed one sends its new list on its open stream
+        (no new registration), the removed one goes, the kept one is not touched."""
         tun_node(dev_root)
         null_node(dev_root)
         extra = '[[device]]\nresource = "ate.dev/null"\npath = "/dev/null"\ncount = 2\nsubsystem = "mem"\n'
         before = KVM.format(count=8) + VHOST.format(count=8)
         kubelet = FakeKubelet(plugin_dir)
         await kubelet.start()
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, before)
         try:
             async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
@@ -148,6 +148,7 @@ class TestReload:
                 first = {(await kubelet.next_event("list")).resource for _ in range(2)}
                 assert first == {"ate.dev/kvm", "ate.dev/tun"}
                 kvm_stream = kubelet.endpoints["ate.dev/kvm"].stream_task
+                tun_stream = kubelet.endpoints["ate.dev/tun"].stream_task
                 kubelet.drain()
                 # keep kvm, change tun (count), add null ... then remove it again below
                 write_config(cfg, plugin_dir, dev_root, KVM.format(count=8) + VHOST.format(count=4) + extra)
@@ -166,6 +167,7 @@ class TestReload:
                 assert set(regs) == {"ate.dev/tun", "ate.dev/null"}, proc.log()
                 assert regs["ate.dev/tun"].total == 4 and regs["ate.dev/null"].total == 2
                 assert kubelet.endpoints["ate.dev/kvm"].stream_task is kvm_stream and not kvm_stream.done()
+                assert kubelet.endpoints["ate.dev/tun"].stream_task is tun_stream and not tun_stream.done()
                 assert (plugin_dir / "ate.dev-null.sock").exists()
 
                 write_config(cfg, plugin_dir, dev_root, KVM.format(count=8) + VHOST.format(count=4))
@@ -175,16 +177,18 @@ class TestReload:
                 assert ended.resource == "ate.dev/null"
                 assert not (plugin_dir / "ate.dev-null.sock").exists()
                 assert not kvm_stream.done()
-                assert [e.resource for e in kubelet.history if e.kind == "register"].count("ate.dev/kvm") == 1
+                registered = [e.resource for e in kubelet.history if e.kind == "register"]
+                assert registered.count("ate.dev/kvm") == registered.count("ate.dev/tun") == 1, registered
+                assert not [e for e in kubelet.history if e.kind == "stream-ended" and e.resource != "ate.dev/null"]
         finally:
-            notify.close()
+            await notify.close()
             await kubelet.stop()
 
     async def test_bad_config_keeps_the_old(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """A broken config on SIGHUP is logged field by field; nothing changes."""
         kubelet = FakeKubelet(plugin_dir)
         await kubelet.start()
-        notify = NotifySocket(tmp_path / "notify")
+        notify = NotifyReceiver(tmp_path / "notify")
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         try:
             async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
@@ -199,7 +203,7 @@ class TestReload:
                 assert len([e for e in kubelet.history if e.kind == "register"]) == 1
                 await kubelet.allocate("ate.dev/kvm", ["kvm-4095"])
         finally:
-            notify.close()
+            await notify.close()
             await kubelet.stop()
 
 

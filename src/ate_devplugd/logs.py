@@ -1,7 +1,7 @@
-"""systemd integration: sd_notify state, the watchdog interval, and logging to journald or stderr.
+"""Logging: to journald with structured fields under systemd, else to stderr; events with their fields.
 
-Outside systemd every call here is a harmless no-op (``NOTIFY_SOCKET`` unset), so the daemon runs the
-same in a terminal, a test or a unit.
+An *event* is a log record with an ``ATE_EVENT`` name (operators filter the journal by it) and, where it
+concerns one resource, ``ATE_RESOURCE`` and ``ATE_DEVICE``. An ``EventLog`` binds those fields once.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,62 +19,6 @@ FIELD_RESOURCE = "ATE_RESOURCE"
 FIELD_DEVICE = "ATE_DEVICE"
 FIELD_EVENT = "ATE_EVENT"
 _FIELDS = (FIELD_EVENT, FIELD_RESOURCE, FIELD_DEVICE)
-
-
-def _default_sender(state: str) -> bool:
-    from systemd import daemon  # noqa: PLC0415 - loaded only when a message is sent
-
-    return bool(daemon.notify(state))
-
-
-class Notifier:
-    """Sends sd_notify messages; the sender is injectable for tests."""
-
-    def __init__(self, sender: Callable[[str], bool] | None = None) -> None:
-        self._sender = sender
-        self.enabled = sender is not None or bool(os.environ.get("NOTIFY_SOCKET"))
-        self._status = ""
-
-    def send(self, *lines: str) -> None:
-        if not self.enabled:
-            return
-        sender = self._sender or _default_sender
-        try:
-            sender("\n".join(lines))
-        except OSError as exc:
-            logging.getLogger(__name__).warning("sd_notify failed: %s", exc)
-
-    def ready(self, status: str) -> None:
-        self._status = status
-        self.send("READY=1", f"STATUS={status}")
-
-    def status(self, status: str) -> None:
-        """Send STATUS= only when it changed."""
-        if status != self._status:
-            self._status = status
-            self.send(f"STATUS={status}")
-
-    def reloading(self) -> None:
-        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        self.send("RELOADING=1", f"MONOTONIC_USEC={usec}")
-
-    def stopping(self) -> None:
-        self.send("STOPPING=1", "STATUS=stopping")
-
-    def watchdog(self) -> None:
-        self.send("WATCHDOG=1")
-
-
-def watchdog_interval(environ: dict[str, str] | None = None, pid: int | None = None) -> float | None:
-    """Seconds between watchdog pings (half of WATCHDOG_USEC), or None if not asked for this process."""
-    env = os.environ if environ is None else environ
-    usec = env.get("WATCHDOG_USEC", "")
-    if not usec.isdigit() or int(usec) == 0:
-        return None
-    owner = env.get("WATCHDOG_PID", "")
-    if owner and owner != str(os.getpid() if pid is None else pid):
-        return None
-    return int(usec) / 2 / 1_000_000
 
 
 def under_systemd(environ: dict[str, str] | None = None) -> bool:
@@ -149,20 +92,28 @@ def setup_logging(target: str, level: str) -> str:
     return target
 
 
-def event(
-    logger: logging.Logger,
-    level: int,
-    name: str,
-    msg: str,
-    *args: object,
-    resource: str | None = None,
-    device: str | None = None,
-    exc_info: bool = False,
-) -> None:
-    """Log one event with its structured fields (ATE_EVENT, ATE_RESOURCE, ATE_DEVICE)."""
-    extra = {FIELD_EVENT: name}
-    if resource:
-        extra[FIELD_RESOURCE] = resource
-    if device:
-        extra[FIELD_DEVICE] = device
-    logger.log(level, msg, *args, extra=extra, exc_info=exc_info)
+class EventLog:
+    """Logs events with the fields bound once: ``EventLog(log, resource=..., device=...).info("registered", ...)``."""
+
+    def __init__(self, logger: logging.Logger, *, resource: str | None = None, device: str | None = None) -> None:
+        self._logger = logger
+        self._fields: dict[str, str] = {}
+        if resource:
+            self._fields[FIELD_RESOURCE] = resource
+        if device:
+            self._fields[FIELD_DEVICE] = device
+
+    def log(self, level: int, name: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        self._logger.log(level, msg, *args, extra={FIELD_EVENT: name, **self._fields}, exc_info=exc_info)
+
+    def debug(self, name: str, msg: str, *args: object) -> None:
+        self.log(logging.DEBUG, name, msg, *args)
+
+    def info(self, name: str, msg: str, *args: object) -> None:
+        self.log(logging.INFO, name, msg, *args)
+
+    def warning(self, name: str, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, name, msg, *args)
+
+    def error(self, name: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        self.log(logging.ERROR, name, msg, *args, exc_info=exc_info)

@@ -1,0 +1,77 @@
+"""One daemon per plugin directory: an instance lock, and the check that no live process serves our sockets."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import posixpath
+import socket
+import struct
+
+from ate_devplugd import endpoint
+from ate_devplugd.config import DeviceConfig
+
+log = logging.getLogger("ate_devplugd")
+
+
+class InstanceLock:
+    """An abstract unix socket named after the plugin directory: one daemon per directory."""
+
+    def __init__(self, plugin_dir: str) -> None:
+        digest = hashlib.sha256(os.path.realpath(plugin_dir).encode()).hexdigest()[:32]
+        self.name = b"\0ate-devplugd/" + digest.encode()
+        self._sock: socket.socket | None = None
+
+    def acquire(self) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(self.name)
+            sock.listen(8)
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            uid = self._holder_uid()
+            if uid == os.geteuid():
+                return False
+            # Abstract names have no permissions: any local user may bind this one first. A holder of
+            # another user is not an ate-devplugd of ours; going on without the lock is safe, because
+            # a live socket at our path still stops us.
+            log.warning("the instance lock name is held by uid %s, not by us; going on without it", uid)
+            return True
+        self._sock = sock
+        return True
+
+    def _holder_uid(self) -> int | None:
+        """The user of the process holding the lock name (an ate-devplugd listens on it), if it answers."""
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        peer.settimeout(1.0)
+        try:
+            peer.connect(self.name)
+            creds = peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return None
+        finally:
+            peer.close()
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        return int(uid)
+
+    def release(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def busy_sockets(plugin_dir: str, devices: tuple[DeviceConfig, ...]) -> list[str]:
+    """Why each device's socket path cannot be ours (a live process answers there); stale ones are removed."""
+    busy = []
+    for dev in devices:
+        try:
+            endpoint.check_socket_free(posixpath.join(plugin_dir, dev.socket_name))
+        except endpoint.SocketInUseError as exc:
+            busy.append(str(exc))
+        except OSError:
+            continue
+    return busy

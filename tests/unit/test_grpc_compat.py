@@ -1,0 +1,80 @@
+"""grpcio's private API, held in grpc_compat: the runtime kept for the daemon's life, teardown races quiet."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ate_devplugd import grpc_compat
+from tests.support import subprocess_env
+
+#: Run in a fresh interpreter: in the test process, another test's channel may still hold the runtime.
+RUNTIME_CHECK = """
+import asyncio, sys, threading
+import grpc
+from grpc._cython import cygrpc
+from ate_devplugd import grpc_compat
+
+def others():
+    return {t.ident for t in threading.enumerate() if t is not threading.main_thread()}
+
+async def channel_comes_and_goes():
+    async with grpc.aio.insecure_channel("unix:" + sys.argv[2]):
+        pass
+
+async def main():
+    if sys.argv[1] == "without-hook":
+        del cygrpc.init_grpc_aio
+    await channel_comes_and_goes()
+    assert not others(), "the runtime outlived its last channel"
+    async with grpc_compat.grpc_runtime():
+        held = others()
+        assert held, "grpc.aio's poller thread did not start"
+        for _ in range(3):
+            await channel_comes_and_goes()
+            assert others() == held, "the runtime was shut down and started anew"
+    assert not others(), "the runtime was not released"
+
+asyncio.run(main())
+"""
+
+
+class TestGrpcRuntimeHeld:
+    """grpc.aio's runtime stays up while the daemon runs, however often channels come and go."""
+
+    @pytest.mark.parametrize("how", ["by-reference", "without-hook"])
+    def test_runtime_outlives_channels(self, tmp_path: Path, how: str) -> None:
+        result = subprocess.run(
+            [sys.executable, "-c", RUNTIME_CHECK, how, str(tmp_path / "none.sock")],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+
+
+class TestGrpcTeardownReports:
+    """grpcio failing to end a stream whose peer went first is one debug line; anything else is untouched."""
+
+    async def test_final_status_to_a_gone_peer_is_not_an_error(self, caplog: pytest.LogCaptureFixture) -> None:
+        loop = asyncio.get_running_loop()
+        caplog.set_level(logging.DEBUG)
+        async with grpc_compat.grpc_runtime():
+            caplog.clear()  # grpc's own debug lines about its runtime
+            batch_error = grpc_compat.EXECUTE_BATCH_ERROR
+            assert isinstance(batch_error, type)
+            loop.call_exception_handler(
+                {"message": "Task exception was never retrieved", "exception": batch_error("send status")}
+            )
+            assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+            caplog.clear()
+            loop.call_exception_handler({"message": "Task exception was never retrieved", "exception": OSError(5)})
+            assert [r.levelno for r in caplog.records] == [logging.ERROR]
+        assert loop.get_exception_handler() is None
