@@ -96,7 +96,10 @@ class KubeletWatch:
 
     def socket_loss(self, known_generation: int) -> SocketLoss:
         """Why a socket served under generation ``known_generation`` is gone."""
-        if self.look().generation != known_generation or not self._kubelet_answers():
+        # Ask first, then count: a new kubelet.sock that answers had its create event queued before
+        # the connect, so the drain after it sees the new generation.
+        answers = self._kubelet_answers()
+        if self.look().generation != known_generation or not answers:
             return SocketLoss.KUBELET_RESTART
         return SocketLoss.FOREIGN
 

@@ -215,8 +215,13 @@ class Session:
             return
 
     def _register_failed(self, exc: grpc.aio.AioRpcError) -> None:
+        # kubelet.sock refusing connections is part of every kubelet start (a killed kubelet's socket
+        # stays until the new one's wipe; the new one is bound a moment before it listens): a warning
+        # only once that lasts (the tenth attempt, about 5 s), while an answer from kubelet is one at once.
         self._failures += 1
-        level = logging.WARNING if self._failures in (1, 10) or self._failures % 100 == 0 else logging.DEBUG
+        unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
+        first = self._failures == 1 and not unavailable
+        level = logging.WARNING if first or self._failures == 10 or self._failures % 100 == 0 else logging.DEBUG
         self.resource.events.log(
             level,
             "register-failed",

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import sys
 import time
@@ -168,7 +167,12 @@ class FakeKubelet:
                 self.socket_path.unlink()
         server = grpc.aio.server()
         api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
-        server.add_insecure_port("unix://" + str(self.socket_path.resolve()))
+        # Bound under another name and linked into place: gRPC unlinks the path it bound when it stops,
+        # and a killed kubelet leaves its socket file behind (stop(graceful=False) does the same).
+        staging = self.dir / ".kubelet.sock.binding"
+        server.add_insecure_port("unix://" + str(staging.resolve()))
+        os.link(staging, self.socket_path)
+        staging.unlink()
         # The socket file exists from here on: this is when a plugin's inotify watch fires.
         self._record(Event("socket"))
         await server.start()
@@ -176,12 +180,13 @@ class FakeKubelet:
         self._record(Event("listening"))
 
     async def stop(self, *, graceful: bool = True) -> None:
-        """Stop serving; ``graceful=False`` leaves a dead ``kubelet.sock`` behind, as a killed kubelet does."""
+        """Stop serving; ``graceful=False`` leaves the dead ``kubelet.sock`` behind, as a killed kubelet does."""
         server, self._server = self._server, None
         if server is not None:
             await server.stop(None)
-            if not graceful:
-                _leave_dead_socket(self.socket_path)
+            if graceful:
+                with contextlib.suppress(OSError):  # as Go's listener Close: gone or read-only is fine
+                    self.socket_path.unlink()
         for endpoint in list(self.endpoints.values()):
             await self._drop(endpoint)
         self.endpoints.clear()
@@ -304,14 +309,6 @@ class FakeKubelet:
         while not self.events.empty():
             out.append(self.events.get_nowait())
         return out
-
-
-def _leave_dead_socket(path: Path) -> None:
-    """A socket file nobody listens on (what a killed process leaves), unless one is there already."""
-    if not path.exists():
-        dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        dead.bind(str(path))
-        dead.close()
 
 
 async def _serve_forever(directory: str, log_path: str | None) -> int:

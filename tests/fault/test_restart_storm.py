@@ -67,6 +67,9 @@ async def test_restart_storm(tmp_path: Path, plugin_dir: Path, dev_root: Path) -
             assert len(registrations) <= STORM + 1
             assert await proc.stop() == 0
             daemon_log_clean(proc.log())
+            # every removal of our socket was a kubelet's start, each one killed and started the kubelet way
+            log = proc.log()
+            assert "event=socket-removed" not in log and "warning: registering" not in log
         assert sockets_in(plugin_dir) == {"kubelet.sock"}
     finally:
         await kubelet.stop()

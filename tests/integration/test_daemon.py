@@ -113,7 +113,8 @@ class TestStartAndRegister:
 
 class TestKubeletRestart:
     async def test_restart_reregisters(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-        """kubelet restart (sockets wiped, new kubelet.sock) is followed by one new registration."""
+        """kubelet restart (sockets wiped in name order, new kubelet.sock) is followed by one new
+        registration, each logged as a kubelet restart, never as a foreign removal."""
         kubelet = await started_kubelet(plugin_dir)
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         try:
@@ -128,6 +129,9 @@ class TestKubeletRestart:
                 regs = [e for e in kubelet.history if e.kind == "register"]
                 assert len(regs) == 6, proc.log()
                 assert not [e for e in kubelet.history if e.kind == "double-register"]
+                # kubelet killed and started: its old socket stays until its wipe, which removes ours first
+                log = proc.log()
+                assert "event=socket-removed" not in log and log.count("event=kubelet-restart") >= 5, log
         finally:
             await kubelet.stop()
 

@@ -78,3 +78,29 @@ class TestGrpcTeardownReports:
             loop.call_exception_handler({"message": "Task exception was never retrieved", "exception": OSError(5)})
             assert [r.levelno for r in caplog.records] == [logging.ERROR]
         assert loop.get_exception_handler() is None
+
+
+class TestGrpcTeardownLog:
+    """grpcio's own logger reporting a send cut off by a departing peer: one debug line, no traceback."""
+
+    def test_batch_report_becomes_one_debug_line(self, caplog: pytest.LogCaptureFixture) -> None:
+        async def run() -> None:
+            async with grpc_compat.grpc_runtime():
+                cygrpc_log = logging.getLogger(grpc_compat.CYGRPC_LOGGER)
+                try:
+                    raise RuntimeError("stand-in for ExecuteBatchError")  # noqa: TRY301 - to log with exc_info
+                except RuntimeError:
+                    # as grpcio's aio server reports it (aio/server.pyx.pxi, _handle_exceptions)
+                    cygrpc_log.exception(
+                        "ExecuteBatchError raised in core by servicer method [/v1beta1.DevicePlugin/ListAndWatch]"
+                    )
+                cygrpc_log.error("something else")
+
+        caplog.set_level(logging.DEBUG)
+        asyncio.run(run())
+        ours = [r for r in caplog.records if r.name == "ate_devplugd.grpc_compat" or r.levelno >= logging.WARNING]
+        assert [(r.name, r.levelno, r.exc_info is None) for r in ours] == [
+            ("ate_devplugd.grpc_compat", logging.DEBUG, True),
+            ("grpc._cython.cygrpc", logging.ERROR, True),
+        ]
+        assert "/v1beta1.DevicePlugin/ListAndWatch" in ours[0].getMessage()

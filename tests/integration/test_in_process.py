@@ -1,0 +1,332 @@
+"""The whole daemon on the test's own loop: registration, kubelet restarts, reload, hotplug, sd_notify.
+
+The kernel's device nodes are a table (``FakeKernel``) and udev is a pipe (``FakeMonitor``); everything
+else is real: gRPC on unix sockets, the fake kubelet, inotify, sd_notify datagrams. No root, no
+/dev/kvm: these run for any contributor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ate_devplugd.config import Config, ConfigError, DeviceConfig
+from tests.fakes.kubelet import FakeKubelet
+from tests.support import (
+    RESOURCE,
+    SOCKET,
+    FakeKernel,
+    FakeMonitor,
+    NotifyReceiver,
+    daemon_in_process,
+    kvm_config,
+    started_kubelet,
+    wait_for_path,
+)
+
+
+def registrations(kubelet: FakeKubelet) -> int:
+    return len([e for e in kubelet.history if e.kind == "register"])
+
+
+def no_double_registration(kubelet: FakeKubelet) -> None:
+    assert not [e for e in kubelet.history if e.kind == "double-register"]
+
+
+class TestRegistration:
+    async def test_serves_registers_and_grants(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """v1beta1, a base-name endpoint, 4096 Healthy units, Allocate grants the node; stop removes the socket."""
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel) as running:
+                reg = await kubelet.next_event("register", "register-rejected")
+                assert (reg.kind, reg.resource, reg.endpoint) == ("register", RESOURCE, SOCKET)
+                lst = await kubelet.next_event("list")
+                assert (lst.healthy, lst.total) == (4096, 4096)
+                assert lst.ids == [f"kvm-{i}" for i in range(4096)]
+                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-9"])).container_responses
+                assert [(d.host_path, d.container_path, d.permissions) for d in cresp.devices] == [
+                    ("/dev/kvm", "/dev/kvm", "rw")
+                ]
+                assert running.daemon.status_line() == "ate.dev/kvm: 4096/4096 healthy, registered"
+                assert await running.stop() == 0
+            assert not (plugin_dir / SOCKET).exists()
+            no_double_registration(kubelet)
+        finally:
+            await kubelet.stop()
+
+    async def test_kubelet_absent_at_start(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """With no kubelet the daemon serves and waits; once kubelet.sock appears it registers, once."""
+        async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel) as running:
+            await running.events.wait_for("ready")
+            assert running.daemon.status_line().endswith("waiting for kubelet")
+            kubelet = await started_kubelet(plugin_dir)
+            try:
+                await kubelet.next_event("list")
+                assert registrations(kubelet) == 1
+                record = await running.events.wait_for("registered")
+                assert record.levelno == logging.INFO
+            finally:
+                await kubelet.stop()
+
+    async def test_stale_kubelet_socket_at_start(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """A dead kubelet.sock left by a killed kubelet: the daemon waits; the kubelet's first start is
+        followed as a restart (info, not a warning) and registers once."""
+        dead = socket.socket(socket.AF_UNIX)
+        dead.bind(str(plugin_dir / "kubelet.sock"))
+        dead.close()
+        async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel) as running:
+            await wait_for_path(plugin_dir / SOCKET)
+            kubelet = await started_kubelet(plugin_dir)
+            try:
+                await kubelet.next_event("list")
+                assert registrations(kubelet) == 1
+                assert not running.events.named("socket-removed"), running.events.text()
+            finally:
+                await kubelet.stop()
+
+
+class TestKubeletRestart:
+    async def test_restarts_the_kubelet_way(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """kubelet killed and started again (its old socket left behind, then every socket removed in name
+        order, ours first, then kubelet.sock created): one new registration each time, every one logged as
+        kubelet-restart at info, never as a foreign removal."""
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel) as running:
+                await kubelet.next_event("list")
+                for n in range(1, 21):
+                    await kubelet.restart()
+                    await kubelet.next_event("list")
+                    assert registrations(kubelet) == n + 1
+                no_double_registration(kubelet)
+                assert not [r for r in running.events.records if r.levelno >= logging.WARNING], running.events.text()
+                restarts = running.events.named("kubelet-restart")
+                assert restarts and {r.levelno for r in restarts} == {logging.INFO}
+        finally:
+            await kubelet.stop()
+
+    async def test_socket_removed_before_the_old_kubelet_sock(
+        self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """The moment kubelet's wipe has removed our socket but not yet its old kubelet.sock (no new one
+        yet either) is already told apart from a foreign removal: the old kubelet.sock no longer answers."""
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel) as running:
+                await kubelet.next_event("list")
+                await kubelet.stop(graceful=False)
+                assert (plugin_dir / "kubelet.sock").exists()
+                (plugin_dir / SOCKET).unlink()  # the wipe, first step
+                record = await running.events.wait_for("kubelet-restart")
+                assert record.levelno == logging.INFO
+                await wait_for_path(plugin_dir / SOCKET)  # served anew, waiting for the new kubelet
+                await kubelet.start()  # the rest of the wipe, then the new kubelet.sock
+                await kubelet.next_event("register")
+                assert not running.events.named("socket-removed"), running.events.text()
+        finally:
+            await kubelet.stop()
+
+    async def test_foreign_removal_is_a_warning(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """Our socket removed while the kubelet we registered with still runs: a warning, served and
+        registered anew."""
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel) as running:
+                await kubelet.next_event("list")
+                (plugin_dir / SOCKET).unlink()
+                record = await running.events.wait_for("socket-removed")
+                assert record.levelno == logging.WARNING
+                await kubelet.next_event("register")
+                assert not running.events.named("kubelet-restart")
+        finally:
+            await kubelet.stop()
+
+
+class TestReload:
+    async def test_changed_device_keeps_its_stream(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """A reload that changes count and permissions sends the new list on the open ListAndWatch stream
+        and answers Allocate from the new config: no Register, no stream ended, never a list at 0."""
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        current = [config]
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel, reload_config=lambda: current[0]) as running:
+                await kubelet.next_event("list")
+                stream = kubelet.endpoints[RESOURCE].stream_task
+                current[0] = kvm_config(plugin_dir, fake_root, count=4, permissions="rwm")
+                running.daemon.request_reload()
+                lst = await kubelet.next_event("list")
+                assert (lst.healthy, lst.total, lst.ids) == (4, 4, [f"kvm-{i}" for i in range(4)])
+                await running.events.wait_for("reload")
+                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-3"])).container_responses
+                assert cresp.devices[0].permissions == "rwm"
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await kubelet.allocate(RESOURCE, ["kvm-4"])
+                assert kubelet.endpoints[RESOURCE].stream_task is stream and stream is not None and not stream.done()
+                assert registrations(kubelet) == 1
+                assert [e.kind for e in kubelet.history if e.kind in ("stream-ended", "register")] == ["register"]
+                assert all(e.total for e in kubelet.history if e.kind == "list")
+        finally:
+            await kubelet.stop()
+
+    async def test_added_and_removed(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """An added resource is served and registered; a removed one's socket goes; the kept one is untouched."""
+        kernel.add_node(fake_root / "dev" / "vhost-net", (10, 238))
+        kernel.names[(10, 238)] = "/dev/vhost-net"
+        vhost = DeviceConfig("ate.dev/vhost-net", "/dev/vhost-net", count=2)
+        base = kvm_config(plugin_dir, fake_root, count=8)
+        current = [base]
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(base, kernel, reload_config=lambda: current[0]) as running:
+                await kubelet.next_event("list")
+                stream = kubelet.endpoints[RESOURCE].stream_task
+                current[0] = dataclasses.replace(base, devices=(*base.devices, vhost))
+                running.daemon.request_reload()
+                lst = await kubelet.next_event("list", resource="ate.dev/vhost-net")
+                assert lst.total == 2
+                await running.events.wait_for("reload")
+                current[0] = base
+                running.daemon.request_reload()
+                await kubelet.next_event("stream-ended", resource="ate.dev/vhost-net")
+                await running.events.wait_for("reload")
+                assert not (plugin_dir / "ate.dev-vhost-net.sock").exists()
+                assert kubelet.endpoints[RESOURCE].stream_task is stream and stream is not None and not stream.done()
+                assert running.daemon.status_line() == "ate.dev/kvm: 8/8 healthy, registered"
+        finally:
+            await kubelet.stop()
+
+    async def test_bad_config_keeps_the_running_one(
+        self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A config error on reload is logged per field; the running config stays, registration untouched."""
+
+        def broken() -> Config:
+            raise ConfigError(["device[0] (ate.dev/kvm): count: 0 must be an integer from 1 to 65536"])
+
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel, reload_config=broken) as running:
+                await kubelet.next_event("list")
+                running.daemon.request_reload()
+                record = await running.events.wait_for("reload-failed")
+                assert "count: 0" in record.getMessage() and record.levelno == logging.ERROR
+                await kubelet.allocate(RESOURCE, ["kvm-4095"])
+                assert registrations(kubelet) == 1
+        finally:
+            await kubelet.stop()
+
+
+class TestHotplug:
+    async def test_vanish_and_return(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """The node gone (and a uevent): every unit Unhealthy, same IDs; back: Healthy again."""
+        monitor = FakeMonitor()
+        kubelet = await started_kubelet(plugin_dir)
+        node = fake_root / "dev" / "kvm"
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root, count=16), kernel, monitor=monitor):
+                first = await kubelet.next_event("list")
+                kernel.remove_node(node)
+                monitor.emit("remove")
+                gone = await kubelet.next_event("list")
+                assert (gone.healthy, gone.total, gone.ids) == (0, 16, first.ids)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await kubelet.allocate(RESOURCE, ["kvm-0"])
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                kernel.add_node(node)
+                monitor.emit("add")
+                assert (await kubelet.next_event("list")).healthy == 16
+        finally:
+            await kubelet.stop()
+            monitor.close()
+
+    async def test_device_appearing_later(self, plugin_dir: Path, fake_root: Path) -> None:
+        """A device absent at start is not served; once it appears (and a uevent says so) it registers."""
+        kernel = FakeKernel()
+        monitor = FakeMonitor()
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel, monitor=monitor) as running:
+                await running.events.wait_for("ready")
+                assert running.daemon.status_line().startswith("ate.dev/kvm: absent (")
+                assert not (plugin_dir / SOCKET).exists() and registrations(kubelet) == 0
+                kernel.add_node(fake_root / "dev" / "kvm")
+                monitor.emit("add")
+                assert (await kubelet.next_event("list")).healthy == 4096
+        finally:
+            await kubelet.stop()
+            monitor.close()
+
+
+class TestNotify:
+    async def test_stalled_reader_stops_nothing(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """systemd not reading its notify socket (queue full): registration, restarts and Allocate go on;
+        once it reads again, the latest STATUS arrives."""
+        notify = NotifyReceiver(tmp_path / "notify", read=False)
+        kubelet = await started_kubelet(plugin_dir)
+        monitor = FakeMonitor()
+        node = fake_root / "dev" / "kvm"
+        try:
+            config = kvm_config(plugin_dir, fake_root, count=4)
+            async with daemon_in_process(config, kernel, monitor=monitor, notify=notify.path):
+                await kubelet.next_event("list")
+                for _ in range(8):  # each a STATUS change or two: far more than the queue's ten datagrams
+                    kernel.remove_node(node)
+                    monitor.emit("remove")
+                    assert (await kubelet.next_event("list")).healthy == 0
+                    kernel.add_node(node)
+                    monitor.emit("add")
+                    assert (await kubelet.next_event("list")).healthy == 4
+                    await kubelet.restart()
+                    await kubelet.next_event("register")
+                await kubelet.allocate(RESOURCE, ["kvm-0"])
+                notify.start_reading()
+                await notify.wait_for(lambda f: f.get("STATUS") == "ate.dev/kvm: 4/4 healthy, registered")
+        finally:
+            await kubelet.stop()
+            await notify.close()
+            monitor.close()
+
+    async def test_ready_then_status_then_stopping(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """READY=1 before any kubelet; STATUS follows registration; STOPPING at the stop."""
+        notify = NotifyReceiver(tmp_path / "notify")
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel, notify=notify.path) as running:
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"] == "ate.dev/kvm: 4096/4096 healthy, waiting for kubelet"
+                kubelet = await started_kubelet(plugin_dir)
+                try:
+                    await notify.wait_for(lambda f: f.get("STATUS") == "ate.dev/kvm: 4096/4096 healthy, registered")
+                    assert await running.stop() == 0
+                    await notify.wait_for(lambda f: f.get("STOPPING") == "1")
+                finally:
+                    await kubelet.stop()
+        finally:
+            await notify.close()
+
+
+class TestInstance:
+    async def test_second_daemon_on_the_directory(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """A second daemon for the same directory exits 73 and leaves the first one's registration alone."""
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            config = kvm_config(plugin_dir, fake_root)
+            async with daemon_in_process(config, kernel):
+                await kubelet.next_event("list")
+                async with daemon_in_process(config, kernel) as second:
+                    assert await second.stop() == os.EX_CANTCREAT
+                assert registrations(kubelet) == 1
+                await kubelet.allocate(RESOURCE, ["kvm-0"])
+        finally:
+            await kubelet.stop()
