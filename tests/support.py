@@ -280,7 +280,7 @@ class NotifyReceiver:
 
 
 class EventRecorder(logging.Handler):
-    """The daemon's event records (those with ATE_EVENT), in process, on a queue."""
+    """Log records, in process, kept and put on a queue; ``wait_for`` waits for a named event (ATE_EVENT)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -289,8 +289,7 @@ class EventRecorder(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
-        if getattr(record, FIELD_EVENT, None):
-            self.queue.put_nowait(record)
+        self.queue.put_nowait(record)
 
     def named(self, name: str) -> list[logging.LogRecord]:
         return [r for r in self.records if getattr(r, FIELD_EVENT, None) == name]
@@ -299,7 +298,7 @@ class EventRecorder(logging.Handler):
         async with asyncio.timeout(timeout):
             while True:
                 record = await self.queue.get()
-                if getattr(record, FIELD_EVENT) == name:
+                if getattr(record, FIELD_EVENT, None) == name:
                     return record
 
     def text(self) -> str:

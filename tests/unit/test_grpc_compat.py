@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import grpc_compat
-from tests.support import subprocess_env
+from ate_devplugd import endpoint, grpc_compat
+from tests.support import EventRecorder, kvm_resource, subprocess_env
 
 #: Run in a fresh interpreter: in the test process, another test's channel may still hold the runtime.
 RUNTIME_CHECK = """
@@ -104,3 +104,55 @@ class TestGrpcTeardownLog:
             ("grpc._cython.cygrpc", logging.ERROR, True),
         ]
         assert "/v1beta1.DevicePlugin/ListAndWatch" in ours[0].getMessage()
+
+
+#: kubelet's side of the race: a ListAndWatch client that never reads (so the server's 83 KB message
+#: waits on HTTP/2 flow control) and is then killed while that message is in flight.
+STALLED_CLIENT = """
+import sys, time, grpc
+from ate_devplugd._pb import api_pb2, api_pb2_grpc
+options = [("grpc.http2.lookahead_bytes", 0), ("grpc.http2.bdp_probe", 0)]
+channel = grpc.insecure_channel("unix://" + sys.argv[1], options=options)
+stream = api_pb2_grpc.DevicePluginStub(channel).ListAndWatch(api_pb2.Empty())
+time.sleep(3600)
+"""
+
+
+class TestTeardownRaceForReal:
+    """The race itself, as kubelet makes it when it dies with a message in flight."""
+
+    async def test_kubelet_killed_mid_message_leaves_no_traceback(self, tmp_path: Path) -> None:
+        """Killed with a ListAndWatch message in flight: grpcio's ExecuteBatchError (reported on its logger
+        by grpcio 1.85, as an unretrieved task exception by 1.51) is one debug line, nothing louder."""
+        recorder = EventRecorder()
+        root = logging.getLogger()
+        level = root.level
+        root.addHandler(recorder)
+        root.setLevel(logging.DEBUG)
+        resource = kvm_resource(count=4096)
+        opened = asyncio.Event()
+        try:
+            async with grpc_compat.grpc_runtime():
+                server = endpoint.PluginServer(resource, str(tmp_path / "p.sock"), lambda n: n and opened.set())
+                await server.start()
+                try:
+                    for _ in range(3):
+                        opened.clear()
+                        client = await asyncio.create_subprocess_exec(
+                            sys.executable, "-c", STALLED_CLIENT, server.socket_path, env=subprocess_env()
+                        )
+                        async with asyncio.timeout(30):
+                            await opened.wait()
+                        client.kill()
+                        await client.wait()
+                        async with asyncio.timeout(30):
+                            while not [r for r in recorder.records if grpc_compat.TEARDOWN_RACE in r.getMessage()]:
+                                await recorder.queue.get()
+                        loud = [r for r in recorder.records if r.levelno >= logging.WARNING]
+                        assert not loud, [r.getMessage() for r in loud]
+                        recorder.records.clear()
+                finally:
+                    await server.stop()
+        finally:
+            root.removeHandler(recorder)
+            root.setLevel(level)
