@@ -101,6 +101,8 @@ def open_tmp() -> Iterator[Path]:
 def kvm_root(open_tmp: Path) -> Path:
     from tests.support import kvm_available, make_kvm_node
 
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
     if not kvm_available():
         pytest.skip("the kernel has no kvm misc device")
     root = open_tmp / "root"
