@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import FakeKernel, kvm_available, make_kvm_node
+from tests.support import FakeKernel, kvm_dev_root
 
 TEST_TIMEOUT = float(os.environ.get("ATE_TEST_TIMEOUT", "60"))
 _SEED = int(os.environ.get("ATE_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
@@ -49,14 +49,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 @pytest.fixture
 def dev_root(tmp_path: Path) -> Path:
     """A directory standing in for ``/``, holding ``dev/kvm`` as a real character node (10:232)."""
-    if os.geteuid() != 0:
-        pytest.skip("mknod needs root")
-    if not kvm_available():
-        pytest.skip("the kernel has no kvm misc device")
-    root = tmp_path / "root"
-    (root / "dev").mkdir(parents=True)
-    make_kvm_node(root)
-    return root
+    return kvm_dev_root(tmp_path)
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from ate_devplugd import endpoint
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
@@ -114,6 +115,18 @@ def kvm_available() -> bool:
     return os.environ.get("ATE_TEST_NO_KVM", "") in ("", "0") and (KVM_SYSFS / "dev").exists()
 
 
+def kvm_dev_root(parent: Path) -> Path:
+    """parent/root standing in for ``/``, with ``dev/kvm`` a real kvm node; skips without root or kvm."""
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    if not kvm_available():
+        pytest.skip("the kernel has no kvm misc device")
+    root = parent / "root"
+    (root / "dev").mkdir(parents=True)
+    make_kvm_node(root)
+    return root
+
+
 def make_kvm_node(root: Path) -> Path:
     """A real character node at root/dev/kvm with the kernel's kvm numbers (needs root)."""
     major, minor = (int(x) for x in (KVM_SYSFS / "dev").read_text().split(":"))
@@ -190,11 +203,20 @@ class FakeMonitor:
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._events: collections.deque[FakeUEvent] = collections.deque()
+        self._events: collections.deque[FakeUEvent | OSError] = collections.deque()
         self.filters: set[str] = set()
+        self.started = False
 
     def emit(self, action: str = "change", subsystem: str = "misc", sys_name: str = "kvm") -> None:
-        self._events.append(FakeUEvent(action, subsystem, sys_name, f"/dev/{sys_name}"))
+        """Queue one event, as the kernel or udevd sends it."""
+        self._queue(FakeUEvent(action, subsystem, sys_name, f"/dev/{sys_name}"))
+
+    def fail(self, error: OSError) -> None:
+        """Make the next receive fail with ``error`` (ENOBUFS: the kernel dropped events)."""
+        self._queue(error)
+
+    def _queue(self, item: FakeUEvent | OSError) -> None:
+        self._events.append(item)
         os.write(self._write, b"x")
 
     def fileno(self) -> int:
@@ -207,14 +229,17 @@ class FakeMonitor:
         self.filters.clear()
 
     def start(self) -> None:
-        pass
+        self.started = True
 
     def poll(self, timeout: float | None = None) -> FakeUEvent | None:
         try:
             os.read(self._read, 1)
         except BlockingIOError:
             return None
-        return self._events.popleft()
+        item = self._events.popleft()
+        if isinstance(item, OSError):
+            raise item
+        return item
 
     def close(self) -> None:
         os.close(self._read)

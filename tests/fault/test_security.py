@@ -30,6 +30,7 @@ from tests.support import (
     DaemonProcess,
     NotifyReceiver,
     daemon,
+    kvm_dev_root,
     kvm_uevent,
     started_kubelet,
     subprocess_env,
@@ -99,16 +100,8 @@ def open_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def kvm_root(open_tmp: Path) -> Path:
-    from tests.support import kvm_available, make_kvm_node
-
-    if os.geteuid() != 0:
-        pytest.skip("mknod needs root")
-    if not kvm_available():
-        pytest.skip("the kernel has no kvm misc device")
-    root = open_tmp / "root"
-    (root / "dev").mkdir(parents=True)
-    make_kvm_node(root)
-    return root
+    """dev_root in a directory nobody can traverse."""
+    return kvm_dev_root(open_tmp)
 
 
 async def test_socket_mode_owner_even_with_umask_0(open_tmp: Path, kvm_root: Path) -> None:
