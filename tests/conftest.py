@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.podman import Podman
+from tests.podman import require as require_podman
 from tests.support import FakeKernel, kvm_dev_root
 
 TEST_TIMEOUT = float(os.environ.get("ATE_TEST_TIMEOUT", "60"))
@@ -85,3 +87,9 @@ def clean_env() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
+    """podman on a throwaway store with the kvmcheck image; skips where it cannot run, or fails (ATE_REQUIRE_PODMAN)."""
+    return require_podman(lambda: Podman.prepare(tmp_path_factory.mktemp("podman")))
