@@ -1,0 +1,127 @@
+"""CDI in a real container (podman 4.3.1): a spec grants /dev/kvm to a non-root process, and what podman refuses.
+
+The specs here are written by hand, as the daemon will write them: one device ``kvm`` of kind
+``ate.dev/kvm``, one character node with its major:minor read from the host, ``rw``, and the
+container-side mode and owner. Each run sees only its own spec directory (tests.podman).
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.podman import KvmCheck, NodeStat, Podman, PodmanRunError, kvm_spec, write_spec
+
+DEVICE = "ate.dev/kvm=kvm"
+#: A uid/gid that neither the host nor the image knows: only the node's "other" bits can let it in.
+SANDBOX = (4242, 4242)
+KVM_API_VERSION = 12
+
+
+@pytest.fixture
+def host_kvm() -> Iterator[NodeStat]:
+    """The host's /dev/kvm before the test; checked unchanged after it."""
+    before = NodeStat.of("/dev/kvm")
+    yield before
+    assert NodeStat.of("/dev/kvm") == before, "a container run changed the host's /dev/kvm"
+
+
+def assert_rule(check: KvmCheck, node: NodeStat, access: str) -> None:
+    """The container's cgroup allows exactly ``access`` on the node (where the rules are readable)."""
+    if check.cgroup_devices is not None:
+        assert f"c {node.major}:{node.minor} {access}" in check.cgroup_devices, check.cgroup_devices
+
+
+class TestCdiGrant:
+    async def test_non_root_opens_kvm_through_cdi(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        """A 0666 root:root node from the spec lets a process that dropped to a stranger's uid open /dev/kvm."""
+        write_spec(tmp_path, kvm_spec(file_mode=0o666, uid=0, gid=0))
+        check = await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert (check.uid, check.gid, check.groups) == (*SANDBOX, ())
+        assert check.opened, check.raw
+        assert check.api_version == KVM_API_VERSION
+        assert check.node == NodeStat(0o666, 0, 0, host_kvm.major, host_kvm.minor)
+        assert_rule(check, host_kvm, "rw")
+
+    async def test_device_spec_alone_is_refused(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        """Without CDI the node keeps the host's mode and owner, so the same process gets EACCES."""
+        check = await podman.run(devices=["/dev/kvm"], run_as=SANDBOX, spec_dir=tmp_path)
+        assert check.node == host_kvm
+        assert check.open_error == "EACCES", check.raw
+        absent = await podman.run(run_as=SANDBOX, spec_dir=tmp_path)
+        assert absent.node is None
+        assert absent.stat_errno == errno.ENOENT
+
+    async def test_spec_keeping_host_mode_is_refused(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        """A spec that carries the host's mode and owner injects the node, but the process gets EACCES."""
+        write_spec(tmp_path, kvm_spec(file_mode=host_kvm.mode, uid=host_kvm.uid, gid=host_kvm.gid))
+        check = await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert check.node == host_kvm
+        assert check.open_error == "EACCES", check.raw
+        assert_rule(check, host_kvm, "rw")
+
+    async def test_cdi_node_replaces_the_device_spec_one(
+        self, podman: Podman, tmp_path: Path, host_kvm: NodeStat
+    ) -> None:
+        """Given both (kubelet sends a DeviceSpec beside the CDI name), the container gets the spec's node."""
+        write_spec(tmp_path, kvm_spec(file_mode=0o666, uid=0, gid=0))
+        for order in (["/dev/kvm", DEVICE], [DEVICE, "/dev/kvm"]):
+            check = await podman.run(devices=order, run_as=SANDBOX, spec_dir=tmp_path)
+            assert check.node == NodeStat(0o666, 0, 0, host_kvm.major, host_kvm.minor), order
+            assert check.opened, (order, check.raw)
+
+    async def test_ownerless_node_goes_to_the_user(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        """A node without uid/gid is chowned to podman's --user, and gets mode 0666 without fileMode."""
+        # podman 4.3.1's CDI library (0.5.2) leaves a missing fileMode to runc (0666); from CDI 1.1.0 the
+        # library copies the host's mode instead, so a spec must always state fileMode.
+        write_spec(tmp_path, kvm_spec(file_mode=None, uid=None, gid=None))
+        check = await podman.run(cdi_devices=[DEVICE], user="4242:4242", spec_dir=tmp_path)
+        assert check.node == NodeStat(0o666, *SANDBOX, host_kvm.major, host_kvm.minor)
+        assert check.opened, check.raw
+        as_root = await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert as_root.node == NodeStat(0o666, 0, 0, host_kvm.major, host_kvm.minor)
+
+
+class TestCdiLimits:
+    @pytest.mark.parametrize("version", ["0.3.0", "0.4.0", "0.5.0"])
+    async def test_versions_accepted(self, podman: Podman, tmp_path: Path, version: str) -> None:
+        """podman 4.3.1 loads a spec of cdiVersion 0.3.0 to 0.5.0 carrying fileMode, uid and gid."""
+        write_spec(tmp_path, kvm_spec(version=version))
+        check = await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert check.opened, check.raw
+
+    @pytest.mark.parametrize("version", ["0.6.0", "0.7.0", "1.0.0", "v0.3.0"])
+    async def test_versions_refused(self, podman: Podman, tmp_path: Path, version: str) -> None:
+        """A newer cdiVersion makes podman 4.3.1 drop the spec, so the device is unresolvable."""
+        write_spec(tmp_path, kvm_spec(version=version))
+        with pytest.raises(PodmanRunError) as refused:
+            await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert refused.value.returncode == 126
+        assert refused.value.error == f"setting up CDI devices: unresolvable CDI devices {DEVICE}"
+        assert f'invalid version "{version}"' in (refused.value.cdi_reason or ""), refused.value.stderr
+
+    @pytest.mark.parametrize("version", ["0.5.0", "0.7.0"])
+    async def test_additional_gids_refused(self, podman: Podman, tmp_path: Path, version: str) -> None:
+        """additionalGids (CDI 0.7.0) is an unknown field to podman 4.3.1, whatever cdiVersion says."""
+        write_spec(tmp_path, kvm_spec(version=version, edits_extra={"additionalGids": [4242]}))
+        with pytest.raises(PodmanRunError) as refused:
+            await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert 'unknown field "additionalGids"' in (refused.value.cdi_reason or ""), refused.value.stderr
+
+    async def test_file_mode_must_be_a_number(self, podman: Podman, tmp_path: Path) -> None:
+        """fileMode written as a string ("0666") makes the spec unparsable."""
+        write_spec(tmp_path, kvm_spec(node_extra={"fileMode": "0666"}))
+        with pytest.raises(PodmanRunError) as refused:
+            await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert "cannot unmarshal string" in (refused.value.cdi_reason or ""), refused.value.stderr
+
+    async def test_missing_spec_fails_the_container(self, podman: Podman, tmp_path: Path) -> None:
+        """With no spec for the name, the container is not created at all (nothing is logged about it)."""
+        with pytest.raises(PodmanRunError) as refused:
+            await podman.run(cdi_devices=[DEVICE], run_as=SANDBOX, spec_dir=tmp_path)
+        assert refused.value.returncode == 126
+        assert refused.value.error == f"setting up CDI devices: unresolvable CDI devices {DEVICE}"
+        assert refused.value.cdi_reason is None
