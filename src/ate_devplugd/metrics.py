@@ -1,0 +1,230 @@
+"""The daemon's metrics, kept on its event loop and rendered in the Prometheus text format.
+
+node_exporter's textfile collector publishes them (``textfile.TextfileWriter`` writes the file); the
+daemon opens no port. Every call here is made from the daemon's one asyncio loop: plain attribute
+updates, no locks. ``on_change`` is called after each call that changed a value (a counter always
+changes; a gauge set to the value it has does not), so an idle daemon causes no write.
+
+Series exist per configured resource, from ``add_resource`` until ``remove_resource``. Calls naming a
+resource that is not (or no longer) there are ignored, so a late callback from a stopped server
+cannot bring back the series of a resource that left the config.
+
+The families are built by a custom collector on a private ``CollectorRegistry`` (no process or
+platform collectors) rather than with ``Counter``/``Gauge`` objects: series appear at zero as soon as
+a resource is added, a resource's series go with it, and counters carry no ``_created`` series (which
+prometheus_client's ``Counter`` writes as a separate gauge of Unix times in the text format, on 0.16
+and current releases alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ate_devplugd import __version__
+
+#: node_exporter's default textfile directory on Debian, and our file in it.
+DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
+
+PREFIX = "ate_devplugd_"
+
+#: The canonical gRPC status code names: the only values of the ``code`` label.
+GRPC_CODES = frozenset(
+    {
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    }
+)
+#: The codes Allocate answers with; their series start at 0, so the first error shows in increase().
+ALLOCATE_ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
+
+
+@dataclass
+class _Resource:
+    present: bool = False
+    healthy: bool = False
+    advertised_units: int = 0
+    registered: bool = False
+    streams: int = 0
+    registrations: int = 0
+    register_failures: int = 0
+    allocations: int = 0
+    allocate_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALLOCATE_ERROR_CODES, 0))
+    health_transitions: int = 0
+
+
+# (name without prefix, help, value) for the per-resource gauges and counters.
+_GAUGES: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
+    ("device_present", "1 if the resource's device node is present on the node.", lambda r: r.present),
+    ("device_healthy", "1 if the device is present and passes its probe (its units are Healthy).", lambda r: r.healthy),
+    ("advertised_units", "Units offered to kubelet (0 before the device was present).", lambda r: r.advertised_units),
+    ("healthy_units", "Advertised units that are Healthy.", lambda r: r.advertised_units if r.healthy else 0),
+    ("registered", "1 while kubelet holds a registration of the resource's current server.", lambda r: r.registered),
+    ("listandwatch_streams", "ListAndWatch streams kubelet holds open (1 while it watches).", lambda r: r.streams),
+)  # fmt: skip
+_COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
+    ("registrations", "Register calls kubelet accepted.", lambda r: r.registrations),
+    ("register_failures", "Register calls that failed (each is retried).", lambda r: r.register_failures),
+    ("allocations", "Allocate calls answered with a device.", lambda r: r.allocations),
+    ("health_transitions", "Changes of the device between Healthy and Unhealthy.", lambda r: r.health_transitions),
+)
+
+
+class Metrics:
+    """The daemon's metrics: per-resource state and counters, rendered on demand."""
+
+    def __init__(self, version: str = __version__, on_change: Callable[[], None] | None = None) -> None:
+        self.version = version
+        self.on_change = on_change
+        self._resources: dict[str, _Resource] = {}
+        self.kubelet_restarts = 0
+        self.reloads = 0
+        self.reload_failures = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        return tuple(self._resources)
+
+    # -- resources ---------------------------------------------------------------------------------
+    def add_resource(self, resource: str) -> None:
+        """Create the resource's series (all zero); no-op if it has them."""
+        if resource not in self._resources:
+            self._resources[resource] = _Resource()
+            self._changed()
+
+    def remove_resource(self, resource: str) -> None:
+        """Drop every series of a resource that left the config."""
+        if self._resources.pop(resource, None) is not None:
+            self._changed()
+
+    # -- state -------------------------------------------------------------------------------------
+    def set_device(self, resource: str, *, present: bool, healthy: bool, advertised_units: int) -> None:
+        """The device's state after a probe; healthy units are the advertised ones while healthy."""
+        r = self._resources.get(resource)
+        new = (present, healthy and present, advertised_units)
+        if r is not None and (r.present, r.healthy, r.advertised_units) != new:
+            r.present, r.healthy, r.advertised_units = new
+            self._changed()
+
+    def set_registered(self, resource: str, registered: bool) -> None:
+        r = self._resources.get(resource)
+        if r is not None and r.registered != registered:
+            r.registered = registered
+            self._changed()
+
+    def set_streams(self, resource: str, streams: int) -> None:
+        """How many ListAndWatch streams kubelet has open on the resource's current server."""
+        r = self._resources.get(resource)
+        if r is not None and r.streams != streams:
+            r.streams = streams
+            self._changed()
+
+    # -- counters ----------------------------------------------------------------------------------
+    def registration(self, resource: str) -> None:
+        self._count(resource, "registrations")
+
+    def register_failure(self, resource: str) -> None:
+        self._count(resource, "register_failures")
+
+    def allocation(self, resource: str) -> None:
+        self._count(resource, "allocations")
+
+    def health_transition(self, resource: str) -> None:
+        self._count(resource, "health_transitions")
+
+    def allocate_error(self, resource: str, code: str) -> None:
+        """An Allocate answered with an error; ``code`` is the gRPC status code's name (``INVALID_ARGUMENT``)."""
+        r = self._resources.get(resource)
+        if r is not None:
+            key = code if code in GRPC_CODES else "UNKNOWN"
+            r.allocate_errors[key] = r.allocate_errors.get(key, 0) + 1
+            self._changed()
+
+    def _count(self, resource: str, attr: str) -> None:
+        r = self._resources.get(resource)
+        if r is not None:
+            setattr(r, attr, getattr(r, attr) + 1)
+            self._changed()
+
+    def kubelet_restart(self) -> None:
+        self.kubelet_restarts += 1
+        self._changed()
+
+    def reload(self) -> None:
+        self.reloads += 1
+        self._changed()
+
+    def reload_failed(self) -> None:
+        self.reload_failures += 1
+        self._changed()
+
+    # -- exposition --------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The metrics in the Prometheus text format (version 0.0.4), as node_exporter reads them."""
+        return generate_latest(self.registry)
+
+    def families(self) -> Iterator[Metric]:
+        res = self._resources
+        info = GaugeMetricFamily(PREFIX + "build_info", "Always 1; the daemon's version.", labels=["version"])
+        info.add_metric([self.version], 1)
+        yield info
+        for name, doc, value in _GAUGES:
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["resource"])
+            for resource, r in res.items():
+                gauge.add_metric([resource], float(value(r)))
+            yield gauge
+        for name, doc, value in _COUNTERS:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["resource"])
+            for resource, r in res.items():
+                counter.add_metric([resource], value(r))
+            yield counter
+        errors = CounterMetricFamily(
+            PREFIX + "allocate_errors",
+            "Allocate calls answered with an error, by gRPC status code.",
+            labels=["resource", "code"],
+        )
+        for resource, r in res.items():
+            for code, count in sorted(r.allocate_errors.items()):
+                errors.add_metric([resource, code], count)
+        yield errors
+        for name, doc, count in (
+            ("kubelet_restarts", "kubelet starts seen by the daemon (a new kubelet.sock).", self.kubelet_restarts),
+            ("reloads", "Config reloads applied.", self.reloads),
+            ("reload_failures", "Config reloads refused (the running config stayed).", self.reload_failures),
+        ):  # fmt: skip
+            family = CounterMetricFamily(PREFIX + name, doc)
+            family.add_metric([], count)
+            yield family
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return self._metrics.families()
