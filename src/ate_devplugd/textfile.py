@@ -1,0 +1,173 @@
+"""Write the metrics to a file node_exporter's textfile collector reads: atomically, coalesced, only on change.
+
+``changed()`` (the metrics' ``on_change`` hook) arms one loop callback if none is armed. The first
+change after a quiet interval is written on the loop's next turn (``call_soon``): a device that goes
+away shows at the next scrape without an added delay, and every change the same event handler makes
+lands in that one write. Later changes wait until ``interval`` has passed since the last write
+(``call_later``), so a burst is written at most about once per interval, ending with the final state.
+Nothing is armed while nothing changes: an idle daemon neither writes nor wakes for metrics.
+
+A write renders the metrics, writes them to a hidden temp file in the same directory (not ``*.prom``,
+so the collector ignores it), makes it mode 0644 whatever the umask (node_exporter runs as another
+user) and renames it over the file. No fsync: the file is rebuilt from live state at every start, and
+a disk flush would stall the loop that answers Allocate and pings the watchdog. Nothing is locked or
+waited for: readers see the old file or the new one, and a FIFO at the path is replaced, not opened.
+
+Any OSError turns the writer off with one log line (info for a missing directory, which usually means
+node_exporter is not installed; warning otherwise: read-only, full, no permission); the daemon serves
+on. ``enable()`` (on reload) turns it on again and writes the current state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+from collections.abc import Callable
+
+from ate_devplugd.systemd import event
+
+log = logging.getLogger(__name__)
+
+#: Minimum seconds between two writes while changes keep coming.
+INTERVAL = 1.0
+FILE_MODE = 0o644
+_MISSING_DIR = (errno.ENOENT, errno.ENOTDIR)
+
+
+class TextfileWriter:
+    """Keeps ``path`` equal to ``render()``, written on change; ``path=""`` means metrics are off."""
+
+    def __init__(self, path: str, render: Callable[[], bytes], *, interval: float = INTERVAL) -> None:
+        self.path = path
+        self._render = render
+        self.interval = interval
+        self.enabled = bool(path)
+        #: Files written (renames done) since construction.
+        self.writes = 0
+        self._dirty = bool(path)
+        self._handle: asyncio.Handle | None = None
+        self._last_write: float | None = None
+        self._written_path = ""
+
+    @property
+    def pending(self) -> bool:
+        """True while a write is scheduled (never while nothing changed since the last one)."""
+        return self._handle is not None
+
+    @property
+    def temp_path(self) -> str:
+        directory, base = os.path.split(self.path)
+        return os.path.join(directory, f".{base}.tmp")
+
+    def start(self) -> None:
+        """Write the initial state soon (call on the running loop)."""
+        if self.enabled:
+            self.changed()
+
+    def changed(self) -> None:
+        """Something in the metrics changed: write it soon, coalesced with what follows."""
+        self._dirty = True
+        if not self.enabled or self._handle is not None:
+            return
+        loop = asyncio.get_running_loop()
+        wait = 0.0 if self._last_write is None else self._last_write + self.interval - loop.time()
+        if wait <= 0:
+            self._handle = loop.call_soon(self._scheduled)
+        else:
+            self._handle = loop.call_later(wait, self._scheduled)
+
+    def _scheduled(self) -> None:
+        self._handle = None
+        self.flush()
+
+    def flush(self) -> None:
+        """Write now if anything changed since the last write (and the writer is on)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if not (self.enabled and self._dirty):
+            return
+        self._dirty = False
+        self._last_write = asyncio.get_running_loop().time()
+        try:
+            self._write(self._render())
+        except OSError as exc:
+            self._turn_off(exc)
+            return
+        self.writes += 1
+        self._written_path = self.path
+
+    def _write(self, data: bytes) -> None:
+        tmp = self.temp_path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, FILE_MODE)
+        except FileExistsError:  # left by a process that died mid-write
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, FILE_MODE)
+        try:
+            try:
+                os.fchmod(fd, FILE_MODE)  # the unit's UMask=0077 would leave it unreadable to node_exporter
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _turn_off(self, exc: OSError) -> None:
+        self.enabled = False
+        if exc.errno in _MISSING_DIR:
+            event(
+                log,
+                logging.INFO,
+                "metrics-off",
+                "metrics off: %s does not exist (is prometheus-node-exporter installed?); "
+                'they stay off until a reload (metrics_file = "" turns them off for good)',
+                os.path.dirname(self.path),
+            )
+        else:
+            event(
+                log,
+                logging.WARNING,
+                "metrics-off",
+                "metrics off: cannot write %s: %s; the daemon serves on, metrics stay off until a reload",
+                self.path,
+                exc.strerror or exc,
+            )
+
+    def enable(self, path: str) -> None:
+        """Use ``path`` from now on (a reload): on again after an error, and the current state written soon.
+
+        An empty path turns metrics off. A file written under another path before is removed.
+        """
+        if self._written_path and self._written_path != path:
+            with contextlib.suppress(OSError):
+                os.unlink(self._written_path)
+            self._written_path = ""
+        self.path = path
+        self.enabled = bool(path)
+        if not self.enabled:
+            if self._handle is not None:
+                self._handle.cancel()
+                self._handle = None
+            return
+        self.changed()
+
+    def close(self, *, remove: bool = True) -> None:
+        """Stop writing; with ``remove``, delete the file so a stopped daemon leaves no stale values."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self.enabled = False
+        if remove and self._written_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self._written_path)
+            self._written_path = ""
