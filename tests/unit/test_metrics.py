@@ -1,0 +1,578 @@
+"""The metrics and their textfile writer, in-process: values, label sets, atomic and coalesced writes,
+no timer while idle, and faults of the metrics directory (missing, unwritable, read-only, full).
+
+Writes are counted with real inotify (IN_MOVED_TO of the file's name), not by wrapping the writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import stat
+import statistics
+import struct
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from ate_devplugd import __version__, inotify
+from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
+from ate_devplugd.textfile import TextfileWriter
+
+KVM = "ate.dev/kvm"
+VHOST = "ate.dev/vhost-net"
+IN_CLOSE_WRITE = 0x00000008
+_EVENT = struct.Struct("iIII")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def samples(text: str) -> Samples:
+    """Every sample of a text exposition, keyed by sample name and sorted labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float:
+    return samples(metrics.render().decode())[(name, tuple(sorted(labels.items())))]
+
+
+class FileEvents:
+    """Real inotify on a directory: every event about one file name, queued as (mask, name)."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        self.name = name
+        self.queue: asyncio.Queue[int] = asyncio.Queue()
+        self.renames = 0
+        lib = inotify._lib()
+        self._fd = lib.init1(inotify.IN_NONBLOCK | inotify.IN_CLOEXEC)
+        mask = inotify.IN_MOVED_TO | inotify.IN_CREATE | inotify.IN_MODIFY | IN_CLOSE_WRITE
+        if self._fd < 0 or lib.add_watch(self._fd, os.fsencode(directory), mask) < 0:
+            raise OSError(ctypes.get_errno(), "inotify")
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._read)
+
+    def _read(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                buf = os.read(self._fd, 65536)
+                offset = 0
+                while offset < len(buf):
+                    _wd, mask, _cookie, length = _EVENT.unpack_from(buf, offset)
+                    name = os.fsdecode(buf[offset + _EVENT.size : offset + _EVENT.size + length].rstrip(b"\0"))
+                    offset += _EVENT.size + length
+                    if name == self.name:
+                        self.renames += bool(mask & inotify.IN_MOVED_TO)
+                        self.queue.put_nowait(mask)
+
+    async def renamed(self, timeout: float = 5.0) -> None:
+        """Wait for the next rename onto the file; any other event on its name fails the test."""
+        async with asyncio.timeout(timeout):
+            mask = await self.queue.get()
+        assert mask == inotify.IN_MOVED_TO, f"the file itself was written in place (mask {mask:#x})"
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        os.close(self._fd)
+
+
+@contextlib.contextmanager
+def watching(directory: Path, name: str) -> Iterator[FileEvents]:
+    events = FileEvents(directory, name)
+    try:
+        yield events
+    finally:
+        events.close()
+
+
+def make_writer(path: Path, interval: float = 1.0) -> tuple[Metrics, TextfileWriter]:
+    metrics = Metrics()
+    writer = TextfileWriter(str(path), metrics.render, interval=interval)
+    metrics.on_change = writer.changed
+    metrics.add_resource(KVM)
+    return metrics, writer
+
+
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mount)")
+
+
+async def run(*argv: str, check: bool = True) -> int:
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rc = await proc.wait()
+    assert rc == 0 or not check, argv
+    return rc
+
+
+@contextlib.asynccontextmanager
+async def mounted(*argv: str) -> AsyncIterator[None]:
+    """Run ``mount ARGV``; the last argument is the mount point, unmounted (lazily) on exit."""
+    needs_root()
+    await run("mount", *argv)
+    try:
+        yield
+    finally:
+        await run("umount", "-l", argv[-1])
+
+
+class TestMetrics:
+    def test_series_of_a_new_resource(self) -> None:
+        """A resource added has every per-resource series at 0; build info and process counters are there."""
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        got = samples(metrics.render().decode())
+        r = (("resource", KVM),)
+        expected = {
+            ("ate_devplugd_build_info", (("version", __version__),)): 1.0,
+            **{
+                (f"ate_devplugd_{name}", r): 0.0
+                for name in (
+                    "device_present",
+                    "device_healthy",
+                    "advertised_units",
+                    "healthy_units",
+                    "registered",
+                    "listandwatch_streams",
+                    "registrations_total",
+                    "register_failures_total",
+                    "allocations_total",
+                    "health_transitions_total",
+                )
+            },
+            **{("ate_devplugd_allocate_errors_total", (("code", c), *r)): 0.0 for c in ALLOCATE_ERROR_CODES},
+            ("ate_devplugd_kubelet_restarts_total", ()): 0.0,
+            ("ate_devplugd_reloads_total", ()): 0.0,
+            ("ate_devplugd_reload_failures_total", ()): 0.0,
+        }
+        assert got == expected
+
+    def test_types_and_help(self) -> None:
+        """Counters are counters named *_total, the rest gauges; every family has help text."""
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        text = metrics.render().decode()
+        types = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE")}
+        assert all(kind == "counter" for name, kind in types.items() if name.endswith("_total"))
+        assert all(kind == "gauge" for name, kind in types.items() if not name.endswith("_total"))
+        assert sum(kind == "counter" for kind in types.values()) == 8
+        helps = [line for line in text.splitlines() if line.startswith("# HELP")]
+        assert len(helps) == len(types) and all(len(h.split(" ", 3)[3]) > 10 for h in helps)
+
+    def test_values_follow_the_calls(self) -> None:
+        """State setters and counters show in the rendered text, per resource."""
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        metrics.add_resource(VHOST)
+        metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
+        metrics.set_device(VHOST, present=True, healthy=False, advertised_units=16)
+        metrics.set_registered(KVM, True)
+        metrics.set_streams(KVM, 1)
+        for _ in range(3):
+            metrics.registration(KVM)
+        metrics.register_failure(KVM)
+        for _ in range(5):
+            metrics.allocation(KVM)
+        metrics.allocate_error(KVM, "INVALID_ARGUMENT")
+        metrics.allocate_error(KVM, "FAILED_PRECONDITION")
+        metrics.allocate_error(KVM, "FAILED_PRECONDITION")
+        metrics.health_transition(VHOST)
+        metrics.kubelet_restart()
+        metrics.reload()
+        metrics.reload_failed()
+        metrics.reload_failed()
+        got = samples(metrics.render().decode())
+
+        def at(name: str, resource: str | None = None, **labels: str) -> float:
+            if resource is not None:
+                labels["resource"] = resource
+            return got[(f"ate_devplugd_{name}", tuple(sorted(labels.items())))]
+
+        assert (at("device_present", KVM), at("device_healthy", KVM)) == (1, 1)
+        assert (at("advertised_units", KVM), at("healthy_units", KVM)) == (4096, 4096)
+        assert (at("device_present", VHOST), at("device_healthy", VHOST)) == (1, 0)
+        assert (at("advertised_units", VHOST), at("healthy_units", VHOST)) == (16, 0)
+        assert (at("registered", KVM), at("listandwatch_streams", KVM)) == (1, 1)
+        assert (at("registered", VHOST), at("listandwatch_streams", VHOST)) == (0, 0)
+        assert (at("registrations_total", KVM), at("register_failures_total", KVM)) == (3, 1)
+        assert at("allocations_total", KVM) == 5
+        assert at("allocate_errors_total", KVM, code="INVALID_ARGUMENT") == 1
+        assert at("allocate_errors_total", KVM, code="FAILED_PRECONDITION") == 2
+        assert at("allocate_errors_total", VHOST, code="FAILED_PRECONDITION") == 0
+        assert (at("health_transitions_total", VHOST), at("health_transitions_total", KVM)) == (1, 0)
+        assert (at("kubelet_restarts_total"), at("reloads_total"), at("reload_failures_total")) == (1, 1, 2)
+
+    def test_absent_device_is_not_healthy(self) -> None:
+        """A device that is not present never counts as healthy, whatever the caller passed."""
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        metrics.set_device(KVM, present=False, healthy=True, advertised_units=4096)
+        assert value(metrics, "ate_devplugd_device_healthy", resource=KVM) == 0
+        assert value(metrics, "ate_devplugd_healthy_units", resource=KVM) == 0
+        assert value(metrics, "ate_devplugd_advertised_units", resource=KVM) == 4096
+
+    def test_on_change_only_when_a_value_changed(self) -> None:
+        """Setting a gauge to the value it has is no change; every counter increment is one."""
+        calls: list[None] = []
+        metrics = Metrics(on_change=lambda: calls.append(None))
+        metrics.add_resource(KVM)
+        metrics.add_resource(KVM)
+        assert len(calls) == 1
+        for _ in range(3):
+            metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
+            metrics.set_registered(KVM, True)
+            metrics.set_streams(KVM, 1)
+        assert len(calls) == 4
+        metrics.allocation(KVM)
+        metrics.allocation(KVM)
+        metrics.kubelet_restart()
+        assert len(calls) == 7
+
+    def test_removed_resource_stays_gone(self) -> None:
+        """After remove_resource its series are gone, and late calls for it neither return them nor notify."""
+        calls: list[None] = []
+        metrics = Metrics(on_change=lambda: calls.append(None))
+        metrics.add_resource(KVM)
+        metrics.add_resource(VHOST)
+        metrics.remove_resource(VHOST)
+        assert metrics.resources == (KVM,)
+        before = len(calls)
+        metrics.set_streams(VHOST, 0)
+        metrics.set_registered(VHOST, False)
+        metrics.set_device(VHOST, present=True, healthy=True, advertised_units=1)
+        metrics.allocation(VHOST)
+        metrics.allocate_error(VHOST, "INVALID_ARGUMENT")
+        metrics.remove_resource(VHOST)
+        assert len(calls) == before
+        assert not [key for key in samples(metrics.render().decode()) if ("resource", VHOST) in key[1]]
+
+    def test_code_label_is_bounded(self) -> None:
+        """Only canonical gRPC code names become label values; anything else counts as UNKNOWN."""
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        for n in range(1000):
+            metrics.allocate_error(KVM, f"code-{n}")
+        metrics.allocate_error(KVM, "RESOURCE_EXHAUSTED")
+        codes = {
+            dict(labels)["code"]: v
+            for (name, labels), v in samples(metrics.render().decode()).items()
+            if name == "ate_devplugd_allocate_errors_total"
+        }
+        assert set(codes) <= GRPC_CODES
+        assert codes == {"INVALID_ARGUMENT": 0, "FAILED_PRECONDITION": 0, "UNKNOWN": 1000, "RESOURCE_EXHAUSTED": 1}
+
+    def test_private_registry_without_created_series(self) -> None:
+        """Only ate_devplugd_ families, no _created series, and nothing added to the default registry."""
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        metrics.allocation(KVM)
+        text = metrics.render().decode()
+        assert "_created" not in text
+        assert {family.name.split("_")[0] for family in text_string_to_metric_families(text)} == {"ate"}
+        assert not [f for f in REGISTRY.collect() if f.name.startswith("ate_devplugd")]
+
+
+class TestTextfileWriter:
+    async def test_written_by_rename_readable_by_others(self, tmp_path: Path) -> None:
+        """The file appears by a rename, mode 0644 even under umask 077, equal to the rendered metrics."""
+        path = tmp_path / "ate-devplugd.prom"
+        old_umask = os.umask(0o077)
+        try:
+            with watching(tmp_path, path.name) as events:
+                metrics, writer = make_writer(path)
+                writer.start()
+                await events.renamed()
+        finally:
+            os.umask(old_umask)
+        assert path.read_bytes() == metrics.render()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+        assert not writer.pending and writer.writes == 1
+
+    async def test_first_change_after_quiet_is_written_on_the_next_turn(self, tmp_path: Path) -> None:
+        """A change after a quiet interval is written on the loop's next turn; one right after it waits."""
+        path = tmp_path / "m.prom"
+        with watching(tmp_path, path.name) as events:
+            metrics, writer = make_writer(path, interval=0.3)
+            metrics.set_registered(KVM, True)
+            metrics.allocation(KVM)  # the same handler's changes: one write
+            writer.start()
+            assert writer.pending
+            await asyncio.sleep(0)  # one loop turn: the call_soon write runs before this task resumes
+            assert writer.writes == 1 and not writer.pending
+            await events.renamed()
+            assert value(metrics, "ate_devplugd_registered", resource=KVM) == 1
+            loop = asyncio.get_running_loop()
+            changed_at = loop.time()
+            metrics.allocation(KVM)
+            await asyncio.sleep(0)
+            assert writer.writes == 1 and writer.pending
+            await events.renamed()
+            waited = loop.time() - changed_at
+            assert 0.2 <= waited <= 2.0, waited
+            assert path.read_bytes() == metrics.render()
+            assert events.renames == 2
+
+    async def test_burst_of_1000_changes_is_coalesced(self, tmp_path: Path) -> None:
+        """1,000 changes, one per loop turn, are written a bounded number of times, ending with the last state."""
+        path = tmp_path / "m.prom"
+        with watching(tmp_path, path.name) as events:
+            metrics, writer = make_writer(path)
+            writer.start()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            for n in range(1000):
+                metrics.allocation(KVM)
+                metrics.set_streams(KVM, n % 2)
+                await asyncio.sleep(0)
+            burst = loop.time() - t0
+            async with asyncio.timeout(5):
+                while writer.pending:
+                    await events.renamed()
+            assert value(metrics, "ate_devplugd_allocations_total", resource=KVM) == 1000
+            assert path.read_bytes() == metrics.render()
+            print(f"1,000-change burst over {burst * 1000:.1f} ms: {events.renames} write(s)")
+            # the first change on the next loop turn, the rest once the interval is over
+            assert events.renames == writer.writes == 2 + int(burst / writer.interval)
+
+    async def test_spread_burst_is_written_about_once_per_interval(self, tmp_path: Path) -> None:
+        """Changes arriving for 1.5 s without a pause are written at most once per interval, plus the edges."""
+        path = tmp_path / "m.prom"
+        with watching(tmp_path, path.name) as events:
+            metrics, writer = make_writer(path, interval=0.25)
+            writer.start()
+            await events.renamed()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            n = 0
+            while loop.time() - t0 < 1.5:
+                metrics.allocation(KVM)
+                n += 1
+                await asyncio.sleep(0.001)  # pacing of the load, not a wait for a state
+            burst = loop.time() - t0
+            async with asyncio.timeout(5):
+                while writer.pending:
+                    await events.renamed()
+            print(f"{n} changes over {burst:.2f} s at interval {writer.interval} s: {events.renames - 1} writes")
+            assert events.renames - 1 <= 2 + burst / writer.interval
+            assert path.read_bytes() == metrics.render()
+
+    async def test_idle_writer_arms_nothing(self, tmp_path: Path) -> None:
+        """With nothing changed no write is pending and nothing is written, even when values are set again."""
+        path = tmp_path / "m.prom"
+        with watching(tmp_path, path.name) as events:
+            metrics, writer = make_writer(path, interval=0.2)
+            metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
+            writer.start()
+            await events.renamed()
+            assert not writer.pending
+            metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
+            metrics.set_registered(KVM, False)
+            assert not writer.pending
+            await asyncio.sleep(3 * writer.interval)  # deliberate idle window: prove nothing happens
+            assert events.queue.empty() and writer.writes == 1 and not writer.pending
+
+    async def test_missing_directory_is_logged_once_at_info(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A missing directory: one info line, metrics off (nothing armed); enable() after it exists writes."""
+        caplog.set_level(logging.DEBUG, logger="ate_devplugd")
+        directory = tmp_path / "node-exporter"
+        path = directory / "m.prom"
+        metrics, writer = make_writer(path)
+        writer.start()
+        await asyncio.sleep(0)  # one loop turn: the first write runs
+        assert not writer.enabled and writer.writes == 0
+        for _ in range(10):
+            metrics.allocation(KVM)
+        assert not writer.pending
+        records = [r for r in caplog.records if r.name.startswith("ate_devplugd")]
+        assert [(r.levelno, getattr(r, "ATE_EVENT", "")) for r in records] == [(logging.INFO, "metrics-off")]
+        assert str(directory) in records[0].getMessage()
+        directory.mkdir()
+        with watching(directory, path.name) as events:
+            writer.enable(str(path))
+            await events.renamed()
+        assert writer.enabled and path.read_bytes() == metrics.render()
+
+    async def test_directory_where_no_file_can_be_created(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """No file can be created in the directory (0555 for a user, immutable for root): one warning, off."""
+        caplog.set_level(logging.DEBUG, logger="ate_devplugd")
+        path = tmp_path / "m.prom"
+        metrics, writer = make_writer(path)
+        if os.geteuid() == 0:
+            if shutil.which("chattr") is None:
+                pytest.skip("chattr is not installed")
+            if await run("chattr", "+i", str(tmp_path), check=False):
+                pytest.skip("no immutable flag on this file system")
+            undo = ["chattr", "-i", str(tmp_path)]
+        else:
+            tmp_path.chmod(0o555)
+            undo = ["chmod", "0755", str(tmp_path)]
+        try:
+            writer.start()
+            await asyncio.sleep(0)  # one loop turn: the first write runs
+            metrics.allocation(KVM)
+            assert not writer.enabled and not writer.pending
+        finally:
+            await run(*undo)
+        records = [r for r in caplog.records if r.name.startswith("ate_devplugd")]
+        assert [r.levelno for r in records] == [logging.WARNING]
+        assert os.strerror(errno.EPERM if os.geteuid() == 0 else errno.EACCES) in records[0].getMessage()
+        assert list(tmp_path.iterdir()) == []
+        with watching(tmp_path, path.name) as events:
+            writer.enable(str(path))
+            await events.renamed()
+        assert path.read_bytes() == metrics.render()
+
+    async def test_read_only_directory(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        """A directory turned read-only (a read-only bind mount) while writing: one warning, off; on again after."""
+        caplog.set_level(logging.DEBUG, logger="ate_devplugd")
+        directory = tmp_path / "textfile"
+        directory.mkdir()
+        path = directory / "m.prom"
+        with watching(directory, path.name) as events:
+            metrics, writer = make_writer(path, interval=0.05)
+            writer.start()
+            await events.renamed()
+        async with mounted("--bind", str(directory), str(directory)):
+            await run("mount", "-o", "remount,ro,bind", str(directory))
+            metrics.allocation(KVM)
+            writer.flush()
+            metrics.allocation(KVM)
+            assert not writer.enabled and not writer.pending
+        records = [r for r in caplog.records if r.name.startswith("ate_devplugd")]
+        assert [r.levelno for r in records] == [logging.WARNING]
+        assert os.strerror(errno.EROFS) in records[0].getMessage()
+        with watching(directory, path.name) as events:
+            writer.enable(str(path))
+            await events.renamed()
+        assert value(metrics, "ate_devplugd_allocations_total", resource=KVM) == 2
+        assert path.read_bytes() == metrics.render()
+
+    async def test_full_file_system(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        """No space left (a full tmpfs): one warning, no temp file left behind, the old file intact."""
+        caplog.set_level(logging.DEBUG, logger="ate_devplugd")
+        directory = tmp_path / "textfile"
+        directory.mkdir()
+        async with mounted("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(directory)):
+            path = directory / "m.prom"
+            metrics, writer = make_writer(path)
+            with watching(directory, path.name) as events:
+                writer.start()
+                await events.renamed()
+            old = path.read_bytes()
+            filler = directory / "filler"
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                with pytest.raises(OSError) as full:
+                    while True:
+                        os.write(fd, b"\0" * 4096)
+                assert full.value.errno == errno.ENOSPC
+            finally:
+                os.close(fd)
+            metrics.allocation(KVM)
+            writer.flush()
+            assert not writer.enabled
+            records = [r for r in caplog.records if r.name.startswith("ate_devplugd")]
+            assert [r.levelno for r in records] == [logging.WARNING]
+            assert os.strerror(errno.ENOSPC) in records[0].getMessage()
+            assert sorted(p.name for p in directory.iterdir()) == ["filler", "m.prom"]
+            assert path.read_bytes() == old
+            filler.unlink()
+            with watching(directory, path.name) as events:
+                writer.enable(str(path))
+                await events.renamed()
+            assert path.read_bytes() == metrics.render()
+            writer.close()
+
+    async def test_fifo_and_stale_temp_file_are_replaced(self, tmp_path: Path) -> None:
+        """A FIFO at the path is replaced, never opened; a temp file left by a dead writer (even a symlink) is
+        replaced, its target untouched."""
+        path = tmp_path / "m.prom"
+        os.mkfifo(path)
+        victim = tmp_path / "victim"
+        victim.write_text("keep")
+        metrics, writer = make_writer(path)
+        os.symlink(victim, writer.temp_path)
+        with watching(tmp_path, path.name) as events:
+            writer.start()
+            await events.renamed()
+        assert stat.S_ISREG(path.lstat().st_mode) and path.read_bytes() == metrics.render()
+        assert victim.read_text() == "keep"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m.prom", "victim"]
+
+    async def test_enable_with_another_path_and_off(self, tmp_path: Path) -> None:
+        """enable(other) moves the file; enable("") turns metrics off and removes it; so does close()."""
+        first, second = tmp_path / "a.prom", tmp_path / "b.prom"
+        with watching(tmp_path, first.name) as events:
+            metrics, writer = make_writer(first)
+            writer.start()
+            await events.renamed()
+        with watching(tmp_path, second.name) as events:
+            writer.enable(str(second))
+            await events.renamed()
+        assert not first.exists() and second.read_bytes() == metrics.render()
+        writer.enable("")
+        metrics.allocation(KVM)
+        assert not writer.enabled and not writer.pending and not second.exists()
+        writer.enable(str(second))
+        writer.flush()
+        writer.close()
+        metrics.allocation(KVM)
+        assert not second.exists() and not writer.pending
+        assert list(tmp_path.iterdir()) == []
+
+    async def test_close_can_keep_the_file(self, tmp_path: Path) -> None:
+        """close(remove=False) cancels a pending write and leaves the last file in place."""
+        path = tmp_path / "m.prom"
+        metrics, writer = make_writer(path)
+        writer.flush()
+        written = path.read_bytes()
+        metrics.allocation(KVM)
+        assert writer.pending
+        writer.close(remove=False)
+        assert not writer.pending and path.read_bytes() == written
+
+    async def test_cost_of_one_write(self, tmp_path: Path) -> None:
+        """One write (render, temp file, rename) of four resources costs a few milliseconds at most."""
+        path = tmp_path / "m.prom"
+        metrics, writer = make_writer(path, interval=0)
+        for name in ("ate.dev/vhost-net", "ate.dev/vhost-vsock", "ate.dev/tun"):
+            metrics.add_resource(name)
+        times = []
+        for _ in range(300):
+            metrics.allocation(KVM)
+            t0 = time.perf_counter()
+            writer.flush()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        median, p99 = statistics.median(times) * 1000, times[int(len(times) * 0.99)] * 1000
+        render = min(timeit_render(metrics) for _ in range(3)) * 1000
+        print(
+            f"write: median {median:.3f} ms, p99 {p99:.3f} ms (render alone {render:.3f} ms), {len(metrics.render())} B"
+        )
+        assert writer.writes == 300
+        assert median < 5.0, f"median write {median:.2f} ms"
+
+
+def timeit_render(metrics: Metrics, n: int = 100) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        metrics.render()
+    return (time.perf_counter() - t0) / n
