@@ -8,31 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import logging
 import os
 import shutil
 import stat
 import statistics
-import struct
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from ate_devplugd import __version__, inotify
+from ate_devplugd import __version__
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
 from ate_devplugd.textfile import TextfileWriter
+from tests.prometheus_tools import watching
 
 KVM = "ate.dev/kvm"
 VHOST = "ate.dev/vhost-net"
-IN_CLOSE_WRITE = 0x00000008
-_EVENT = struct.Struct("iIII")
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -48,54 +45,6 @@ def samples(text: str) -> Samples:
 
 def value(metrics: Metrics, name: str, **labels: str) -> float:
     return samples(metrics.render().decode())[(name, tuple(sorted(labels.items())))]
-
-
-class FileEvents:
-    """Real inotify on a directory: every event about one file name, queued as (mask, name)."""
-
-    def __init__(self, directory: Path, name: str) -> None:
-        self.name = name
-        self.queue: asyncio.Queue[int] = asyncio.Queue()
-        self.renames = 0
-        lib = inotify._lib()
-        self._fd = lib.init1(inotify.IN_NONBLOCK | inotify.IN_CLOEXEC)
-        mask = inotify.IN_MOVED_TO | inotify.IN_CREATE | inotify.IN_MODIFY | IN_CLOSE_WRITE
-        if self._fd < 0 or lib.add_watch(self._fd, os.fsencode(directory), mask) < 0:
-            raise OSError(ctypes.get_errno(), "inotify")
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._fd, self._read)
-
-    def _read(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                buf = os.read(self._fd, 65536)
-                offset = 0
-                while offset < len(buf):
-                    _wd, mask, _cookie, length = _EVENT.unpack_from(buf, offset)
-                    name = os.fsdecode(buf[offset + _EVENT.size : offset + _EVENT.size + length].rstrip(b"\0"))
-                    offset += _EVENT.size + length
-                    if name == self.name:
-                        self.renames += bool(mask & inotify.IN_MOVED_TO)
-                        self.queue.put_nowait(mask)
-
-    async def renamed(self, timeout: float = 5.0) -> None:
-        """Wait for the next rename onto the file; any other event on its name fails the test."""
-        async with asyncio.timeout(timeout):
-            mask = await self.queue.get()
-        assert mask == inotify.IN_MOVED_TO, f"the file itself was written in place (mask {mask:#x})"
-
-    def close(self) -> None:
-        self._loop.remove_reader(self._fd)
-        os.close(self._fd)
-
-
-@contextlib.contextmanager
-def watching(directory: Path, name: str) -> Iterator[FileEvents]:
-    events = FileEvents(directory, name)
-    try:
-        yield events
-    finally:
-        events.close()
 
 
 def make_writer(path: Path, interval: float = 1.0) -> tuple[Metrics, TextfileWriter]:
@@ -136,7 +85,7 @@ class TestMetrics:
         metrics.add_resource(KVM)
         got = samples(metrics.render().decode())
         r = (("resource", KVM),)
-        expected = {
+        expected: Samples = {
             ("ate_devplugd_build_info", (("version", __version__),)): 1.0,
             **{
                 (f"ate_devplugd_{name}", r): 0.0
