@@ -1,0 +1,157 @@
+"""The metrics file as its real readers see it: Debian's prometheus-node-exporter (textfile collector
+only, on 127.0.0.1) scraped over HTTP, and promtool on the written file and on the shipped alert rules.
+
+Skipped where the tools are not installed, failed instead with ATE_REQUIRE_PROMETHEUS_TOOLS=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ate_devplugd import __version__
+from ate_devplugd.metrics import Metrics
+from ate_devplugd.textfile import TextfileWriter
+from tests.prometheus_tools import node_exporter, promtool, sample, watching
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "docs" / "ate-devplugd.rules.yml"
+RULES_TEST = Path(__file__).resolve().parent / "ate-devplugd.rules.test.yml"
+KVM = "ate.dev/kvm"
+VHOST = "ate.dev/vhost-net"
+FILE = "ate-devplugd.prom"
+
+
+def busy_metrics() -> Metrics:
+    """Two resources in the states and with the counts a running daemon would have."""
+    metrics = Metrics()
+    for name in (KVM, VHOST):
+        metrics.add_resource(name)
+    metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
+    metrics.set_device(VHOST, present=False, healthy=False, advertised_units=0)
+    metrics.set_registered(KVM, True)
+    metrics.set_streams(KVM, 1)
+    metrics.registration(KVM)
+    metrics.registration(KVM)
+    metrics.register_failure(KVM)
+    for _ in range(7):
+        metrics.allocation(KVM)
+    metrics.allocate_error(KVM, "FAILED_PRECONDITION")
+    metrics.health_transition(KVM)
+    metrics.kubelet_restart()
+    metrics.reload()
+    return metrics
+
+
+async def written(metrics: Metrics, directory: Path) -> TextfileWriter:
+    """``metrics`` written to DIRECTORY/ate-devplugd.prom by the writer (waited for by inotify)."""
+    writer = TextfileWriter(str(directory / FILE), metrics.render)
+    metrics.on_change = writer.changed
+    with watching(directory, FILE) as events:
+        writer.start()
+        await events.renamed()
+    return writer
+
+
+class TestNodeExporter:
+    async def test_scraped_values(self, tmp_path: Path) -> None:
+        """node_exporter serves the file's values with their types, reads it without error, and follows a change."""
+        metrics = busy_metrics()
+        writer = await written(metrics, tmp_path)
+        async with node_exporter(tmp_path) as exporter:
+            families = await exporter.families()
+            assert sample(families, "node_textfile_scrape_error") == 0
+            assert sample(families, "node_scrape_collector_success", collector="textfile") == 1
+            assert sample(families, "node_textfile_mtime_seconds", file=str(tmp_path / FILE)) > 0
+            assert sample(families, "ate_devplugd_build_info", version=__version__) == 1
+            assert sample(families, "ate_devplugd_device_healthy", resource=KVM) == 1
+            assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 4096
+            assert sample(families, "ate_devplugd_device_present", resource=VHOST) == 0
+            assert sample(families, "ate_devplugd_registered", resource=KVM) == 1
+            assert sample(families, "ate_devplugd_listandwatch_streams", resource=KVM) == 1
+            assert sample(families, "ate_devplugd_registrations_total", resource=KVM) == 2
+            assert sample(families, "ate_devplugd_allocations_total", resource=KVM) == 7
+            assert sample(families, "ate_devplugd_allocate_errors_total", resource=KVM, code="FAILED_PRECONDITION") == 1
+            assert sample(families, "ate_devplugd_kubelet_restarts_total") == 1
+            ours = {name: f for name, f in families.items() if name.startswith("ate_devplugd_")}
+            assert {f.type for f in ours.values()} == {"gauge", "counter"}
+            assert ours["ate_devplugd_allocations"].type == "counter"
+            assert ours["ate_devplugd_registered"].type == "gauge"
+            # what node_exporter serves of ours is exactly what was written
+            written_samples = {
+                (s.name, tuple(sorted(s.labels.items())), s.value)
+                for f in text_string_to_metric_families(metrics.render().decode())
+                for s in f.samples
+            }
+            served = {(s.name, tuple(sorted(s.labels.items())), s.value) for f in ours.values() for s in f.samples}
+            assert served == written_samples
+
+            with watching(tmp_path, FILE) as events:
+                metrics.set_device(KVM, present=False, healthy=False, advertised_units=4096)
+                metrics.set_registered(KVM, False)
+                await events.renamed()
+            families = await exporter.families()
+            assert sample(families, "ate_devplugd_device_healthy", resource=KVM) == 0
+            assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 0
+            assert sample(families, "ate_devplugd_registered", resource=KVM) == 0
+        writer.close()
+
+    async def test_scrapes_during_rewrites_never_see_a_partial_file(self, tmp_path: Path) -> None:
+        """Scrapes while the file is rewritten as fast as the writer goes: every one reads a whole file."""
+        metrics = busy_metrics()
+        writer = await written(metrics, tmp_path)
+        writer.interval = 0.0
+        stop = asyncio.Event()
+
+        async def rewrite() -> None:
+            while not stop.is_set():
+                metrics.allocation(KVM)
+                writer.flush()
+                await asyncio.sleep(0)
+
+        async with node_exporter(tmp_path) as exporter:
+            task = asyncio.get_running_loop().create_task(rewrite())
+            try:
+                seen = []
+                for _ in range(50):
+                    families = await exporter.families()
+                    assert sample(families, "node_textfile_scrape_error") == 0
+                    seen.append(sample(families, "ate_devplugd_allocations_total", resource=KVM))
+            finally:
+                stop.set()
+                await task
+        assert seen == sorted(seen) and seen[-1] > seen[0], seen
+        print(f"{writer.writes} rewrites under 50 scrapes")
+        writer.close()
+
+    async def test_no_file_no_series(self, tmp_path: Path) -> None:
+        """Metrics off (the file removed on close): node_exporter serves none of ours and reports no error."""
+        writer = await written(busy_metrics(), tmp_path)
+        writer.close()
+        async with node_exporter(tmp_path) as exporter:
+            families = await exporter.families()
+        assert sample(families, "node_textfile_scrape_error") == 0
+        assert not [name for name in families if name.startswith("ate_devplugd_")]
+
+
+class TestPromtool:
+    async def test_check_metrics_accepts_the_file(self, tmp_path: Path) -> None:
+        """promtool check metrics (its lint included) finds nothing to say about the written file."""
+        metrics = busy_metrics()
+        writer = await written(metrics, tmp_path)
+        rc, out = await promtool("check", "metrics", stdin=(tmp_path / FILE).read_bytes())
+        assert (rc, out.strip()) == (0, ""), out
+        writer.close()
+
+    async def test_check_rules_accepts_the_shipped_rules(self) -> None:
+        """promtool check rules accepts the four shipped alerts."""
+        rc, out = await promtool("check", "rules", str(RULES))
+        assert rc == 0, out
+        assert "SUCCESS: 4 rules found" in out, out
+
+    async def test_alerts_fire_when_they_should(self) -> None:
+        """promtool test rules: each alert fires for its case after its delay, and not for the healthy ones."""
+        rc, out = await promtool("test", "rules", str(RULES_TEST))
+        assert rc == 0, out
