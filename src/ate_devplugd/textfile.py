@@ -25,6 +25,7 @@ import contextlib
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable
 
 from ate_devplugd.systemd import event
@@ -35,6 +36,17 @@ log = logging.getLogger(__name__)
 INTERVAL = 1.0
 FILE_MODE = 0o644
 _MISSING_DIR = (errno.ENOENT, errno.ENOTDIR)
+
+
+def path_error(path: str) -> str | None:
+    """Why ``path`` cannot be the metrics file (for config validation), or None; "" (off) is fine."""
+    if not path:
+        return None
+    if not os.path.isabs(path):
+        return "must be an absolute path"
+    if not path.endswith(".prom") or os.path.basename(path) == ".prom":
+        return "must name a *.prom file (the only files node_exporter's textfile collector reads)"
+    return None
 
 
 class TextfileWriter:
@@ -73,7 +85,7 @@ class TextfileWriter:
         if not self.enabled or self._handle is not None:
             return
         loop = asyncio.get_running_loop()
-        wait = 0.0 if self._last_write is None else self._last_write + self.interval - loop.time()
+        wait = 0.0 if self._last_write is None else self._last_write + self.interval - time.monotonic()
         if wait <= 0:
             self._handle = loop.call_soon(self._scheduled)
         else:
@@ -91,7 +103,7 @@ class TextfileWriter:
         if not (self.enabled and self._dirty):
             return
         self._dirty = False
-        self._last_write = asyncio.get_running_loop().time()
+        self._last_write = time.monotonic()
         try:
             self._write(self._render())
         except OSError as exc:

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd import __version__
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
-from ate_devplugd.textfile import TextfileWriter
+from ate_devplugd.textfile import TextfileWriter, path_error
 from tests.prometheus_tools import watching
 
 KVM = "ate.dev/kvm"
@@ -498,6 +498,15 @@ class TestTextfileWriter:
         writer.close(remove=False)
         assert not writer.pending and path.read_bytes() == written
 
+    def test_flush_without_a_loop(self, tmp_path: Path) -> None:
+        """flush() needs no running event loop (a last write after the loop has ended)."""
+        path = tmp_path / "m.prom"
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        writer = TextfileWriter(str(path), metrics.render)
+        writer.flush()
+        assert path.read_bytes() == metrics.render() and writer.writes == 1
+
     async def test_cost_of_one_write(self, tmp_path: Path) -> None:
         """One write (render, temp file, rename) of four resources costs a few milliseconds at most."""
         path = tmp_path / "m.prom"
@@ -525,3 +534,21 @@ def timeit_render(metrics: Metrics, n: int = 100) -> float:
     for _ in range(n):
         metrics.render()
     return (time.perf_counter() - t0) / n
+
+
+class TestPathError:
+    @pytest.mark.parametrize(
+        ("path", "ok"),
+        [
+            ("", True),
+            ("/var/lib/prometheus/node-exporter/ate-devplugd.prom", True),
+            ("/srv/metrics/x.prom", True),
+            ("ate-devplugd.prom", False),
+            ("/var/lib/prometheus/node-exporter/ate-devplugd.txt", False),
+            ("/var/lib/prometheus/node-exporter/", False),
+            ("/var/lib/prometheus/node-exporter/.prom", False),
+        ],
+    )
+    def test_metrics_file_values(self, path: str, ok: bool) -> None:
+        """An absolute *.prom path or "" (off) is accepted; anything node_exporter would not read is not."""
+        assert (path_error(path) is None) == ok
