@@ -295,7 +295,7 @@ class TestTextfileWriter:
             assert path.read_bytes() == metrics.render()
             print(f"1,000-change burst over {burst * 1000:.1f} ms: {events.renames} write(s)")
             # the first change on the next loop turn, the rest once the interval is over
-            assert events.renames == writer.writes == 2 + int(burst / writer.interval)
+            assert 2 <= events.renames == writer.writes <= 2 + burst / writer.interval
 
     async def test_spread_burst_is_written_about_once_per_interval(self, tmp_path: Path) -> None:
         """Changes arriving for 1.5 s without a pause are written at most once per interval, plus the edges."""
@@ -363,7 +363,6 @@ class TestTextfileWriter:
         """No file can be created in the directory (0555 for a user, immutable for root): one warning, off."""
         caplog.set_level(logging.DEBUG, logger="ate_devplugd")
         path = tmp_path / "m.prom"
-        metrics, writer = make_writer(path)
         if os.geteuid() == 0:
             if shutil.which("chattr") is None:
                 pytest.skip("chattr is not installed")
@@ -374,6 +373,7 @@ class TestTextfileWriter:
             tmp_path.chmod(0o555)
             undo = ["chmod", "0755", str(tmp_path)]
         try:
+            metrics, writer = make_writer(path)  # made now: its first write is armed at once
             writer.start()
             await asyncio.sleep(0)  # one loop turn: the first write runs
             metrics.allocation(KVM)
