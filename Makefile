@@ -18,12 +18,13 @@ NOBODY    := setpriv --reuid=65534 --regid=65534 --clear-groups
 PYTEST_ARGS ?=
 
 # Debian's own runtime (what the .deb depends on), the protoc that makes the committed code,
-# build needs of systemd-python for the venv, udev for the real-uevent tests, strace, and podman
-# with runc (a real CDI consumer) plus libc6-dev (static libc) for the container tests' checker.
+# build needs of systemd-python for the venv, udev for the real-uevent tests, strace, podman
+# with runc (a real CDI consumer) plus libc6-dev (static libc) for the container tests' checker,
+# and node_exporter and promtool (the real readers of the metrics file).
 APT_PACKAGES := python3 python3-venv python3-dev python3-grpcio python3-protobuf python3-systemd \
-                python3-pyudev python3-pytest python3-hypothesis protobuf-compiler \
-                protobuf-compiler-grpc libsystemd-dev pkg-config gcc udev strace \
-                podman runc libc6-dev
+                python3-pyudev python3-pytest python3-hypothesis python3-prometheus-client \
+                protobuf-compiler protobuf-compiler-grpc libsystemd-dev pkg-config gcc udev strace \
+                podman runc libc6-dev prometheus-node-exporter prometheus
 
 .PHONY: help dev run test lint proto proto-check test-venv test-debian test-nonroot apt clean deb \
         test-package e2e check bench soak
@@ -108,8 +109,10 @@ e2e: $(DEB) ## the .deb in a Debian 12 VM (qemu) with real udevd and kernel modu
 	tests/system/build-image.sh
 	tests/system/run.sh $(DEB)
 
-# In CI the tests of real consumers (podman) fail, saying why, where they cannot run, rather than skip.
+# In CI the tests of real consumers (podman, node_exporter, promtool) fail, saying why, where they
+# cannot run, rather than skip.
 check: export ATE_REQUIRE_PODMAN := 1
+check: export ATE_REQUIRE_PROMETHEUS_TOOLS := 1
 check: test test-nonroot ## what CI runs: `make test`, the suite as nobody, a bench smoke run, the package and VM tests
 	@echo "== benchmark smoke run (figures not checked)"
 	$(MAKE) --no-print-directory bench QUICK=1
