@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Callable
 
-from ate_devplugd.systemd import event
+from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -136,19 +136,16 @@ class TextfileWriter:
 
     def _turn_off(self, exc: OSError) -> None:
         self.enabled = False
+        events = EventLog(log)
         if exc.errno in _MISSING_DIR:
-            event(
-                log,
-                logging.INFO,
+            events.info(
                 "metrics-off",
                 "metrics off: %s does not exist (is prometheus-node-exporter installed?); "
                 'they stay off until a reload (metrics_file = "" turns them off for good)',
                 os.path.dirname(self.path),
             )
         else:
-            event(
-                log,
-                logging.WARNING,
+            events.warning(
                 "metrics-off",
                 "metrics off: cannot write %s: %s; the daemon serves on, metrics stay off until a reload",
                 self.path,
