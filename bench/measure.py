@@ -163,7 +163,8 @@ class Workspace:
         self.floor_dir.mkdir(mode=0o750)
         self.config = self.dir / "config.toml"
         self.config.write_text(
-            f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n\n'
+            f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n'
+            f'metrics_file = "{self.dir / "ate-devplugd.prom"}"\ncdi_dir = "{self.dir / "cdi"}"\n\n'
             f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
         )
         self.notify_path = self.dir / "notify.sock"

@@ -60,18 +60,34 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def write_config(path: Path, plugin_dir: Path, dev_root: Path, devices: str | None = None, top: str = "") -> Path:
-    text = f'plugin_dir = "{plugin_dir}"\ndev_root = "{dev_root}"\n{top}\n'
+def write_config(
+    path: Path,
+    plugin_dir: Path,
+    dev_root: Path,
+    devices: str | None = None,
+    *,
+    metrics_file: Path | str = "",
+    cdi_dir: Path | None = None,
+) -> Path:
+    """A config file for a test daemon: nothing written outside the test's directories (metrics off
+    unless given a file; CDI specs next to the config)."""
+    cdi = cdi_dir or path.parent / "cdi"
+    text = f'plugin_dir = "{plugin_dir}"\ndev_root = "{dev_root}"\ncdi_dir = "{cdi}"\nmetrics_file = "{metrics_file}"\n'
     text += devices if devices is not None else '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
     path.write_text(text)
     return path
 
 
-def kvm_config(plugin_dir: Path, dev_root: Path, count: int = 4096, **device: Any) -> Config:
-    """The default kvm resource (``count`` units) on these directories."""
+def kvm_config(
+    plugin_dir: Path, dev_root: Path, count: int = 4096, *, metrics_file: Path | str = "", **device: Any
+) -> Config:
+    """The default kvm resource (``count`` units) on these directories (metrics off unless given a
+    file; CDI specs in ``plugin_dir``'s parent)."""
     return Config(
         plugin_dir=str(plugin_dir),
         dev_root=str(dev_root),
+        cdi_dir=str(plugin_dir.parent / "cdi"),
+        metrics_file=str(metrics_file),
         devices=(DeviceConfig(RESOURCE, "/dev/kvm", count=count, **device),),
     )
 
@@ -486,6 +502,31 @@ async def wait_for_path(path: Path, timeout: float = 10.0) -> None:
         if not path.exists():
             async with asyncio.timeout(timeout):
                 await appeared.wait()
+    finally:
+        watch.close()
+
+
+async def wait_for_content(path: Path, text: str, timeout: float = 10.0) -> None:
+    """Wait until ``path`` holds ``text`` (files written by rename: one inotify event per new content)."""
+    changed = asyncio.Event()
+
+    def on_events(events: list[DirEvent]) -> None:
+        if any(ev.name == path.name or ev.kind == "dir-back" for ev in events):
+            changed.set()
+
+    def holds() -> bool:
+        try:
+            return text in path.read_text()
+        except FileNotFoundError:
+            return False
+
+    watch = DirWatcher(str(path.parent), on_events)
+    watch.start()
+    try:
+        async with asyncio.timeout(timeout):
+            while not holds():
+                await changed.wait()
+                changed.clear()
     finally:
         watch.close()
 

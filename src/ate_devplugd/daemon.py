@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import posixpath
@@ -20,15 +21,18 @@ import signal
 from collections.abc import Callable
 
 from ate_devplugd import config as configmod
+from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
-from ate_devplugd.devices import DeviceRegistry
+from ate_devplugd.devices import DeviceRegistry, Resource
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
-from ate_devplugd.lock import InstanceLock, busy_sockets
+from ate_devplugd.lock import InstanceLock, busy_sockets, make_plugin_dir
 from ate_devplugd.logs import EventLog
+from ate_devplugd.metrics import Metrics
 from ate_devplugd.notify import Notifier, watchdog_interval
 from ate_devplugd.session import Session
+from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
 
 log = logging.getLogger("ate_devplugd")
@@ -58,7 +62,10 @@ class Daemon:
         self._notifier = notifier or Notifier.from_env()
         self._events = EventLog(log)
         self._lock = InstanceLock(config.plugin_dir)
-        self._watch = KubeletWatch(config.plugin_dir)
+        self._metrics = Metrics()
+        self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
+        self._cdi = CdiSpecs(config.cdi_dir)
+        self._watch = KubeletWatch(config.plugin_dir, self._metrics.kubelet_restart)
         self._udev: UdevWatcher | None = None
         self._registry: DeviceRegistry | None = None
         self._sessions: dict[str, Session] = {}
@@ -119,10 +126,12 @@ class Daemon:
 
     async def _start(self) -> bool:
         """Watch, then read the state, then serve; False if another process serves our sockets."""
-        self._make_plugin_dir()
+        make_plugin_dir(self.config.plugin_dir)
         self._watch.start()
         kernel = self._start_udev()
-        self._registry = DeviceRegistry(self.config.dev_root, kernel, self._update_status)
+        for dev in self.config.devices:
+            self._metrics.add_resource(dev.resource)
+        self._registry = DeviceRegistry(self.config.dev_root, kernel, self._looked)
         self._registry.apply(self.config.devices, self.config.dev_root)
         busy = busy_sockets(self.config.plugin_dir, self.config.devices)
         for msg in busy:
@@ -135,39 +144,31 @@ class Daemon:
         self._ready = True
         self._notifier.ready(self.status_line())
         self._events.info("ready", "ready: %s", self.status_line())
+        # Metrics from now on: the first write (and prometheus_client's import) comes after READY.
+        self._metrics.on_change = self._metrics_file.changed
+        self._metrics_file.start()
         return True
-
-    def _make_plugin_dir(self) -> None:
-        plugin_dir = self.config.plugin_dir
-        if not os.path.isdir(plugin_dir):
-            try:
-                os.makedirs(plugin_dir, mode=0o750, exist_ok=True)
-                log.info("created %s", plugin_dir)
-            except OSError as exc:
-                log.warning("cannot create %s (%s); waiting for it to appear", plugin_dir, exc.strerror)
 
     def _start_udev(self) -> KernelView:
         """Start the udev monitor (before the first look at the devices); returns the kernel view."""
-        kernel = self._kernel
-        factory = self._monitor_factory
+        kernel, factory = self._kernel, self._monitor_factory
         if kernel is None:
-            udev_kernel = UdevKernelView()
-            kernel = udev_kernel
-            if factory is None:
-                factory = lambda: default_monitor(udev_kernel.context)  # noqa: E731 - a deferred call
-        if factory is None:
-            return kernel
-        try:
-            monitor, source = factory()
-        except OSError as exc:
-            log.error("cannot open a udev netlink monitor (%s); hotplug will not be seen", exc)  # noqa: TRY400 - no traceback: the errno says it
-            return kernel
-        subsystems = {dev.subsystem for dev in self.config.devices}
-        self._udev = UdevWatcher(monitor, subsystems, self._on_uevents)
-        self._udev.start()
-        if source != "udev":
-            log.warning("udevd is not running; following kernel uevents instead")
+            real = UdevKernelView()
+            kernel, factory = real, factory or functools.partial(default_monitor, real.context)
+        if factory is not None:
+            subsystems = {dev.subsystem for dev in self.config.devices}
+            self._udev = UdevWatcher.open(factory, subsystems, self._on_uevents)
         return kernel
+
+    def _looked(self, resource: Resource, event: str | None) -> None:
+        """After each look at a device: its CDI spec, its metrics, and STATUS when its health changed."""
+        self._cdi.sync(resource)
+        units = resource.config.count if resource.seen.is_set() else 0
+        self._metrics.set_device(
+            resource.name, present=resource.presence.present, healthy=resource.healthy, advertised_units=units
+        )
+        if event is not None:
+            self._update_status()
 
     def _on_uevents(self, uevents: list[UEvent]) -> None:
         for ue in uevents:
@@ -185,6 +186,7 @@ class Daemon:
                     await self.reload()
                 except Exception:  # noqa: BLE001 - a failed reload must not take the running daemon down
                     self._events.error("reload-failed", "reload failed; the daemon keeps running", exc_info=True)
+                    self._metrics.reload_failed()
                     self._notifier.ready(self.status_line())
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:
@@ -204,7 +206,7 @@ class Daemon:
         assert self._registry is not None
         resource = self._registry.resources[name]
         socket_path = posixpath.join(self.config.plugin_dir, resource.config.socket_name)
-        session = Session(resource, socket_path, self._watch, self._update_status)
+        session = Session(resource, socket_path, self._watch, self._update_status, self._metrics)
         self._sessions[name] = session
         self._tasks[name] = asyncio.get_running_loop().create_task(session.run(), name=f"session {name}")
 
@@ -240,6 +242,7 @@ class Daemon:
         except ConfigError as exc:
             for line in exc.errors:
                 self._events.error("reload-failed", "config error, keeping the running config: %s", line)
+            self._metrics.reload_failed()
             self._notifier.ready(self.status_line())
             return
         logging.getLogger().setLevel(new.log_level.upper())
@@ -252,12 +255,19 @@ class Daemon:
         for msg in busy:
             self._events.error("reload-failed", "%s; keeping the running config", msg)
         if busy:
+            self._metrics.reload_failed()
             self._notifier.ready(self.status_line())
             return
         self.config = new
         await self._stop_sessions(list(change.removed))
+        for name in change.removed:
+            self._metrics.remove_resource(name)
+        for name in change.added:
+            self._metrics.add_resource(name)
+        self._cdi.apply(new.cdi_dir, new.devices)
         assert self._registry is not None
         self._registry.apply(new.devices, new.dev_root)
+        self._metrics_file.enable(new.metrics_file)
         if self._udev is not None:
             self._udev.set_subsystems(self._registry.subsystems())
         for name in change.added:
@@ -272,4 +282,5 @@ class Daemon:
             len(change.removed),
             len(change.unchanged),
         )
+        self._metrics.reload()
         self._notifier.ready(self.status_line())

@@ -37,6 +37,8 @@ class Presence:
     reason: str
     #: Something an operator should fix that does not make the device unhealthy.
     note: str = ""
+    #: major:minor of the node, when it is the kernel's device.
+    devnum: tuple[int, int] | None = None
 
 
 UNKNOWN = Presence(present=False, healthy=False, reason="not looked at yet")
@@ -71,15 +73,15 @@ def presence(dev: DeviceConfig, dev_root: str, kernel: KernelView) -> Presence: 
     if dev.probe == "kvm":
         failure = _check_kvm(node, kernel)
         if failure:
-            return Presence(True, False, f"{where}, but {failure}")
+            return Presence(True, False, f"{where}, but {failure}", devnum=(major, minor))
         where += ", KVM API 12"
     link = posixpath.join(dev_root, f"dev/char/{major}:{minor}")
+    note = ""
     if not os.path.lexists(link):
         # With the systemd cgroup driver, `systemctl daemon-reload` rebuilds device rules from
         # /dev/char links; without one, running containers can lose the device.
         note = f"{link} is missing: running containers may lose the device on a systemd daemon-reload"
-        return Presence(True, True, where, note)
-    return Presence(True, True, where)
+    return Presence(True, True, where, note, (major, minor))
 
 
 def _check_kvm(node: str, kernel: KernelView) -> str | None:
@@ -118,6 +120,8 @@ class Resource:
         self.presence = UNKNOWN
         self.seen = asyncio.Event()
         self.events = EventLog(log, resource=config.resource, device=config.path)
+        #: The CDI device Allocate names (``ate.dev/kvm=kvm``) while its spec is in place, else None.
+        self.cdi_device: str | None = None
         self._changed = asyncio.Event()
 
     @property
@@ -169,13 +173,22 @@ class Resource:
         return str(int(number)) == number and int(number) < self.config.count
 
 
-class DeviceRegistry:
-    """The configured resources, in config order: looked at again on every hint, changed by reloads."""
+#: Called after each look at a resource, with the event name when the health kubelet sees changed.
+LookHook = Callable[[Resource, str | None], None]
 
-    def __init__(self, dev_root: str, kernel: KernelView, on_change: Callable[[], None]) -> None:
+
+class DeviceRegistry:
+    """The configured resources, in config order: looked at again on every hint, changed by reloads.
+
+    ``on_look`` hears every resource after every look (the CDI writer, the metrics and STATUS follow
+    it); it runs before the loop can run anything else, so a session never sees a device present
+    before what depends on the look is done.
+    """
+
+    def __init__(self, dev_root: str, kernel: KernelView, on_look: LookHook) -> None:
         self.dev_root = dev_root
         self._kernel = kernel
-        self._on_change = on_change
+        self._on_look = on_look
         self.resources: dict[str, Resource] = {}
 
     def subsystems(self) -> set[str]:
@@ -205,17 +218,13 @@ class DeviceRegistry:
                 EventLog(log, resource=dev.resource, device=dev.path).warning("preopen-failed", "%s", failure)
 
     def reconcile(self) -> None:
-        """Look at every device again; log and publish what changed."""
-        changed = False
+        """Look at every device again; log what changed, and tell ``on_look``."""
         for resource in self.resources.values():
             now = presence(resource.config, self.dev_root, self._kernel)
             name = resource.update(now)
-            if name is None:
-                continue
-            changed = True
-            level = logging.INFO if now.healthy or name == "device-absent" else logging.WARNING
-            resource.events.log(level, name, "%s %s: %s", resource.name, resource.config.path, now.reason)
-            if now.note and now.healthy:
-                resource.events.warning("device-note", "%s: %s", resource.name, now.note)
-        if changed:
-            self._on_change()
+            if name is not None:
+                level = logging.INFO if now.healthy or name == "device-absent" else logging.WARNING
+                resource.events.log(level, name, "%s %s: %s", resource.name, resource.config.path, now.reason)
+                if now.note and now.healthy:
+                    resource.events.warning("device-note", "%s: %s", resource.name, now.note)
+            self._on_look(resource, name)

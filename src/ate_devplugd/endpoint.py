@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import grpc
 
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
-from ate_devplugd.config import max_request_bytes
+from ate_devplugd.device_config import max_request_bytes
 from ate_devplugd.devices import Resource
-from ate_devplugd.servicer import DevicePluginServicer
+from ate_devplugd.servicer import AllocateCounter, DevicePluginServicer
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,16 @@ def check_socket_free(path: str) -> None:
 class PluginServer:
     """A grpc.aio server for one resource on one unix socket; start() proves it answers."""
 
-    def __init__(self, resource: Resource, socket_path: str, on_streams: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        resource: Resource,
+        socket_path: str,
+        on_streams: Callable[[int], None] | None = None,
+        counter: AllocateCounter | None = None,
+    ) -> None:
         self.resource = resource
         self.socket_path = socket_path
-        self.servicer = DevicePluginServicer(resource, on_streams)
+        self.servicer = DevicePluginServicer(resource, on_streams, counter)
         self.identity: FileIdentity | None = None
         self._server: grpc.aio.Server | None = None
 

@@ -53,8 +53,10 @@ class KubeletState:
 class KubeletWatch:
     """Watches the plugin directory for kubelet and for the sessions' sockets."""
 
-    def __init__(self, plugin_dir: str) -> None:
+    def __init__(self, plugin_dir: str, on_kubelet: Callable[[], None] | None = None) -> None:
         self.plugin_dir = plugin_dir
+        #: Called for each kubelet.sock created (a kubelet starting).
+        self._on_kubelet = on_kubelet
         self.kubelet_socket = posixpath.join(plugin_dir, KUBELET_SOCKET)
         self._generation = 0
         self._subscribers: dict[str, list[Callable[[], None]]] = {}
@@ -124,6 +126,8 @@ class KubeletWatch:
                 # a kubelet.sock we have not registered with (or may not have: events were lost)
                 self._generation += 1
                 everyone = True
+                if ev.kind == "created" and self._on_kubelet is not None:
+                    self._on_kubelet()
             elif ev.kind == "dir-gone" or ev.name == KUBELET_SOCKET:
                 everyone = True
             elif ev.kind in ("removed", "created"):

@@ -1,4 +1,4 @@
-"""One daemon per plugin directory: an instance lock, and the check that no live process serves our sockets."""
+"""The plugin directory, ours to serve: made if missing, one daemon per directory, no live process's socket taken."""
 
 from __future__ import annotations
 
@@ -14,6 +14,16 @@ from ate_devplugd import endpoint
 from ate_devplugd.config import DeviceConfig
 
 log = logging.getLogger("ate_devplugd")
+
+
+def make_plugin_dir(plugin_dir: str) -> None:
+    """Create the directory 0750 (as kubelet does) if it is missing; if that fails, the sessions wait for it."""
+    if not os.path.isdir(plugin_dir):
+        try:
+            os.makedirs(plugin_dir, mode=0o750, exist_ok=True)
+            log.info("created %s", plugin_dir)
+        except OSError as exc:
+            log.warning("cannot create %s (%s); waiting for it to appear", plugin_dir, exc.strerror)
 
 
 class InstanceLock:

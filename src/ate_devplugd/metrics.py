@@ -13,22 +13,20 @@ The families are built by a custom collector on a private ``CollectorRegistry`` 
 platform collectors) rather than with ``Counter``/``Gauge`` objects: series appear at zero as soon as
 a resource is added, a resource's series go with it, and counters carry no ``_created`` series (which
 prometheus_client's ``Counter`` writes as a separate gauge of Unix times in the text format, on 0.16
-and current releases alike).
+and current releases alike). prometheus_client itself is imported at the first render, not at start
+(it costs about 20 ms, which start -> READY would pay).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import __version__
 
-#: node_exporter's default textfile directory on Debian, and our file in it.
-DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 PREFIX = "ate_devplugd_"
 
@@ -60,6 +58,7 @@ ALLOCATE_ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
 
 @dataclass
 class _Resource:
+    looked: bool = False
     present: bool = False
     healthy: bool = False
     advertised_units: int = 0
@@ -99,8 +98,7 @@ class Metrics:
         self.kubelet_restarts = 0
         self.reloads = 0
         self.reload_failures = 0
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self))
+        self._registry: Any = None
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -124,12 +122,17 @@ class Metrics:
 
     # -- state -------------------------------------------------------------------------------------
     def set_device(self, resource: str, *, present: bool, healthy: bool, advertised_units: int) -> None:
-        """The device's state after a probe; healthy units are the advertised ones while healthy."""
+        """The device's state after a look; healthy units are the advertised ones while healthy. A change
+        of health after the first look counts as a health transition."""
         r = self._resources.get(resource)
         new = (present, healthy and present, advertised_units)
-        if r is not None and (r.present, r.healthy, r.advertised_units) != new:
-            r.present, r.healthy, r.advertised_units = new
-            self._changed()
+        if r is None or ((r.present, r.healthy, r.advertised_units) == new and r.looked):
+            return
+        if r.looked and r.healthy != new[1]:
+            r.health_transitions += 1
+        r.present, r.healthy, r.advertised_units = new
+        r.looked = True
+        self._changed()
 
     def set_registered(self, resource: str, registered: bool) -> None:
         r = self._resources.get(resource)
@@ -153,9 +156,6 @@ class Metrics:
 
     def allocation(self, resource: str) -> None:
         self._count(resource, "allocations")
-
-    def health_transition(self, resource: str) -> None:
-        self._count(resource, "health_transitions")
 
     def allocate_error(self, resource: str, code: str) -> None:
         """An Allocate answered with an error; ``code`` is the gRPC status code's name (``INVALID_ARGUMENT``)."""
@@ -186,9 +186,17 @@ class Metrics:
     # -- exposition --------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The metrics in the Prometheus text format (version 0.0.4), as node_exporter reads them."""
-        return generate_latest(self.registry)
+        from prometheus_client import CollectorRegistry, generate_latest  # noqa: PLC0415 - see the module doc
+
+        if self._registry is None:
+            # A private registry: no process or platform collectors, nothing in the default one.
+            self._registry = CollectorRegistry(auto_describe=False)
+            self._registry.register(_Collector(self))
+        return bytes(generate_latest(self._registry))
 
     def families(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+
         res = self._resources
         info = GaugeMetricFamily(PREFIX + "build_info", "Always 1; the daemon's version.", labels=["version"])
         info.add_metric([self.version], 1)
@@ -222,7 +230,9 @@ class Metrics:
             yield family
 
 
-class _Collector(Collector):
+class _Collector:
+    """What a registry asks of a collector (``collect``); no ``describe``, so it is never called early."""
+
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 

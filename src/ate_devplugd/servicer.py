@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -38,14 +38,35 @@ def list_response(resource: Resource) -> api_pb2.ListAndWatchResponse:
     return device_list(resource.config.id_prefix, resource.config.count, health)
 
 
+class AllocateCounter(Protocol):
+    """Hears each Allocate: granted, or refused with a gRPC status code's name (the metrics)."""
+
+    def allocation(self, resource: str) -> None: ...
+    def allocate_error(self, resource: str, code: str) -> None: ...
+
+
+class _NoCounter:
+    def allocation(self, resource: str) -> None:
+        pass
+
+    def allocate_error(self, resource: str, code: str) -> None:
+        pass
+
+
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     """The DevicePlugin service for one resource; ``on_streams`` hears the number of open streams."""
 
-    def __init__(self, resource: Resource, on_streams: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        resource: Resource,
+        on_streams: Callable[[int], None] | None = None,
+        counter: AllocateCounter | None = None,
+    ) -> None:
         self._resource = resource
         self._closing = asyncio.Event()
         self._streams = 0
         self._on_streams = on_streams
+        self._counter = counter or _NoCounter()
 
     @property
     def streams(self) -> int:
@@ -92,30 +113,45 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             self._on_streams(streams)
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
-        if not request.container_requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Allocate: no container requests")
+        refusal = self._refusal(request)
+        if refusal is not None:
+            code, message = refusal
+            self._counter.allocate_error(self._resource.name, code.name)
+            await context.abort(code, message)
         dev = self._resource.config
         responses = []
+        for _ in request.container_requests:
+            spec = api_pb2.DeviceSpec(container_path=dev.path, host_path=dev.path, permissions=dev.permissions)
+            response = api_pb2.ContainerAllocateResponse(devices=[spec])
+            if self._resource.cdi_device is not None:
+                # Both: a runtime with CDI on applies the spec (our owner and mode), one with CDI off
+                # ignores the name and grants the node from the DeviceSpec.
+                response.cdi_devices.add(name=self._resource.cdi_device)
+            responses.append(response)
+        self._counter.allocation(self._resource.name)
+        return api_pb2.AllocateResponse(container_responses=responses)
+
+    def _refusal(self, request: api_pb2.AllocateRequest) -> tuple[grpc.StatusCode, str] | None:
+        """Why the request cannot be granted (status code and message), or None."""
+        name = self._resource.name
+        if not request.container_requests:
+            return grpc.StatusCode.INVALID_ARGUMENT, "Allocate: no container requests"
         for index, creq in enumerate(request.container_requests):
             if not creq.devices_ids:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"Allocate: container request {index} names no device"
-                )
+                return grpc.StatusCode.INVALID_ARGUMENT, f"Allocate: container request {index} names no device"
             for device_id in creq.devices_ids:
                 if not self._resource.is_known_id(device_id):
-                    await context.abort(
+                    return (
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"Allocate: unknown device ID {device_id[:80]!r} for {dev.resource}",
+                        f"Allocate: unknown device ID {device_id[:80]!r} for {name}",
                     )
             if not self._resource.healthy:
-                await context.abort(
+                why = self._resource.presence.reason
+                return (
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"Allocate: device {creq.devices_ids[0]!r} of {dev.resource} is unhealthy: "
-                    f"{self._resource.presence.reason}",
+                    f"Allocate: device {creq.devices_ids[0]!r} of {name} is unhealthy: {why}",
                 )
-            spec = api_pb2.DeviceSpec(container_path=dev.path, host_path=dev.path, permissions=dev.permissions)
-            responses.append(api_pb2.ContainerAllocateResponse(devices=[spec]))
-        return api_pb2.AllocateResponse(container_responses=responses)
+        return None
 
     async def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: Context

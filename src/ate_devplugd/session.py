@@ -21,6 +21,7 @@ import grpc
 from ate_devplugd import endpoint
 from ate_devplugd.devices import Resource
 from ate_devplugd.kubelet_watch import KubeletWatch, SocketLoss
+from ate_devplugd.metrics import Metrics
 
 #: Grace for in-flight RPCs (an Allocate) when a server stops.
 STOP_GRACE = 0.2
@@ -66,7 +67,14 @@ class _NewRound(Exception):
 class Session:
     """Keeps ``resource`` served on ``socket_path`` and registered; ``on_state`` hears each state change."""
 
-    def __init__(self, resource: Resource, socket_path: str, watch: KubeletWatch, on_state: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        resource: Resource,
+        socket_path: str,
+        watch: KubeletWatch,
+        on_state: Callable[[], None],
+        metrics: Metrics | None = None,
+    ) -> None:
         self.resource = resource
         self.socket_path = socket_path
         self.state = SessionState.ABSENT
@@ -75,6 +83,7 @@ class Session:
         self.first_attempt = asyncio.Event()
         self._watch = watch
         self._on_state = on_state
+        self._metrics = metrics or Metrics()
         self._server: endpoint.PluginServer | None = None
         self._kick = asyncio.Event()
         #: The kubelet generation this round was served under, then the one it registered with.
@@ -104,6 +113,7 @@ class Session:
     def _set_state(self, state: SessionState, detail: str = "") -> None:
         if (state, detail) != (self.state, self.detail):
             self.state, self.detail = state, detail
+            self._metrics.set_registered(self.name, state in (SessionState.REGISTERED, SessionState.STREAM_CLOSED))
             self._on_state()
 
     def _wake(self) -> None:
@@ -167,7 +177,7 @@ class Session:
 
     async def _serve(self) -> None:
         self._set_state(SessionState.STARTING)
-        self._server = endpoint.PluginServer(self.resource, self.socket_path, self._streams_changed)
+        self._server = endpoint.PluginServer(self.resource, self.socket_path, self._streams_changed, self._metrics)
         await self._server.start()
         self.resource.events.debug("serving", "serving %s on %s", self.name, self.socket_path)
 
@@ -175,6 +185,7 @@ class Session:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(STOP_GRACE)
+            self._metrics.set_streams(self.name, 0)
 
     async def _register(self) -> None:
         assert self._server is not None
@@ -204,6 +215,7 @@ class Session:
                 continue
             self._kubelet_generation = kubelet.generation
             self._failures = 0
+            self._metrics.registration(self.name)
             self.resource.events.info(
                 "registered",
                 "registered %s with kubelet (endpoint %s, %d units)",
@@ -219,6 +231,7 @@ class Session:
         # stays until the new one's wipe; the new one is bound a moment before it listens): a warning
         # only once that lasts (the tenth attempt, about 5 s), while an answer from kubelet is one at once.
         self._failures += 1
+        self._metrics.register_failure(self.name)
         unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
         first = self._failures == 1 and not unavailable
         level = logging.WARNING if first or self._failures == 10 or self._failures % 100 == 0 else logging.DEBUG
@@ -260,6 +273,7 @@ class Session:
 
     def _streams_changed(self, streams: int) -> None:
         """Keep STATUS true: a registration kubelet no longer watches is not working."""
+        self._metrics.set_streams(self.name, streams)
         if self.state not in (SessionState.REGISTERED, SessionState.STREAM_CLOSED):
             return
         if streams:

@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Callable
 
+from ate_devplugd import atomicfile
 from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
@@ -36,17 +37,6 @@ log = logging.getLogger(__name__)
 INTERVAL = 1.0
 FILE_MODE = 0o644
 _MISSING_DIR = (errno.ENOENT, errno.ENOTDIR)
-
-
-def path_error(path: str) -> str | None:
-    """Why ``path`` cannot be the metrics file (for config validation), or None; "" (off) is fine."""
-    if not path:
-        return None
-    if not os.path.isabs(path):
-        return "must be an absolute path"
-    if not path.endswith(".prom") or os.path.basename(path) == ".prom":
-        return "must name a *.prom file (the only files node_exporter's textfile collector reads)"
-    return None
 
 
 class TextfileWriter:
@@ -71,8 +61,7 @@ class TextfileWriter:
 
     @property
     def temp_path(self) -> str:
-        directory, base = os.path.split(self.path)
-        return os.path.join(directory, f".{base}.tmp")
+        return atomicfile.temp_path(self.path)
 
     def start(self) -> None:
         """Write the initial state soon (call on the running loop)."""
@@ -113,26 +102,8 @@ class TextfileWriter:
         self._written_path = self.path
 
     def _write(self, data: bytes) -> None:
-        tmp = self.temp_path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(tmp, flags, FILE_MODE)
-        except FileExistsError:  # left by a process that died mid-write
-            os.unlink(tmp)
-            fd = os.open(tmp, flags, FILE_MODE)
-        try:
-            try:
-                os.fchmod(fd, FILE_MODE)  # the unit's UMask=0077 would leave it unreadable to node_exporter
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        # 0644 whatever the umask: the unit's UMask=0077 would leave it unreadable to node_exporter
+        atomicfile.replace_file(self.path, data, FILE_MODE)
 
     def _turn_off(self, exc: OSError) -> None:
         self.enabled = False

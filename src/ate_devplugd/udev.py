@@ -70,6 +70,25 @@ class UdevWatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1
 
+    @classmethod
+    def open(
+        cls,
+        factory: Callable[[], tuple[MonitorLike, str]],
+        subsystems: Iterable[str],
+        on_hint: Callable[[list[UEvent]], None],
+    ) -> UdevWatcher | None:
+        """A started watcher on the monitor ``factory`` opens; None (logged) if netlink cannot be opened."""
+        try:
+            monitor, source = factory()
+        except OSError as exc:
+            log.error("cannot open a udev netlink monitor (%s); hotplug will not be seen", exc)  # noqa: TRY400 - no traceback: the errno says it
+            return None
+        watcher = cls(monitor, subsystems, on_hint)
+        watcher.start()
+        if source != "udev":
+            log.warning("udevd is not running; following kernel uevents instead")
+        return watcher
+
     @property
     def subsystems(self) -> frozenset[str]:
         return self._subsystems

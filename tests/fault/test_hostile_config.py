@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ate_devplugd import config as configmod
+from ate_devplugd import device_config
 from ate_devplugd._pb import api_pb2
 from ate_devplugd.config import ConfigError
 from tests.fakes.kubelet import extended_resource_name_ok
@@ -227,14 +228,14 @@ def assert_kubelet_would_accept(cfg: configmod.Config) -> None:
         assert extended_resource_name_ok(dev.resource), dev.resource
         assert dev.path.startswith("/dev/") and os.path.normpath(dev.path) == dev.path and "\0" not in dev.path
         assert ".." not in dev.path.split("/")
-        assert 1 <= dev.count <= configmod.MAX_COUNT
+        assert 1 <= dev.count <= device_config.MAX_COUNT
         assert dev.permissions and set(dev.permissions) <= set("rwm")
         last_id = f"{dev.id_prefix}{dev.count - 1}"
         assert len(last_id) <= 63
         message = api_pb2.ListAndWatchResponse(
             devices=[api_pb2.Device(ID=f"{dev.id_prefix}{i}", health="Unhealthy") for i in range(dev.count)]
         )
-        assert message.ByteSize() <= configmod.MAX_MESSAGE_BYTES
+        assert message.ByteSize() <= device_config.MAX_MESSAGE_BYTES
 
 
 # -- in-process: every document, thousands of them ---------------------------------------------------

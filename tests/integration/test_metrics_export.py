@@ -29,7 +29,8 @@ def busy_metrics() -> Metrics:
     metrics = Metrics()
     for name in (KVM, VHOST):
         metrics.add_resource(name)
-    metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
+    metrics.set_device(KVM, present=False, healthy=False, advertised_units=4096)
+    metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)  # a health transition
     metrics.set_device(VHOST, present=False, healthy=False, advertised_units=0)
     metrics.set_registered(KVM, True)
     metrics.set_streams(KVM, 1)
@@ -39,7 +40,6 @@ def busy_metrics() -> Metrics:
     for _ in range(7):
         metrics.allocation(KVM)
     metrics.allocate_error(KVM, "FAILED_PRECONDITION")
-    metrics.health_transition(KVM)
     metrics.kubelet_restart()
     metrics.reload()
     return metrics

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import NotifyReceiver, daemon, subprocess_env, wait_for_path, write_config
+from tests.support import NotifyReceiver, daemon, subprocess_env, wait_for_content, wait_for_path, write_config
 
 VHOST = '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\ncount = {count}\n'
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = {count}\n'
@@ -211,16 +211,21 @@ class TestIdle:
     async def test_no_wakeups_when_idle(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
         """Registered and idle, the event loop has no timer: over a 3-second strace of the main thread it
         makes no system call, and any epoll_wait it does make (a uevent from elsewhere on the machine
-        can wake it) waits without a timeout."""
+        can wake it) waits without a timeout. Metrics are on: once the file shows the registration,
+        nothing more is written and no write is pending."""
         if shutil.which("strace") is None:
             pytest.skip("strace is not installed")
         kubelet = FakeKubelet(plugin_dir)
         await kubelet.start()
-        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        metrics = tmp_path / "metrics" / "ate-devplugd.prom"
+        metrics.parent.mkdir()
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, metrics_file=metrics)
         try:
             async with daemon(cfg) as proc:
                 await kubelet.next_event("list")
                 await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
+                await wait_for_content(metrics, 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1.0')
+                mtime = metrics.stat().st_mtime_ns
                 out = await asyncio.to_thread(
                     subprocess.run,
                     ["timeout", "-s", "INT", "3", "strace", "-e", "trace=epoll_wait", "-p", str(proc.pid)],
@@ -233,6 +238,7 @@ class TestIdle:
                 # Lines look like "epoll_wait(3, [...], 3, -1) = 1": the last argument is the timeout.
                 timeouts = re.findall(r"^epoll_wait\(\d+, .*, (-?\d+)\)", out.stderr, re.MULTILINE)
                 assert all(t == "-1" for t in timeouts), out.stderr
+                assert metrics.stat().st_mtime_ns == mtime, "an idle daemon rewrote its metrics file"
         finally:
             await kubelet.stop()
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import config
+from ate_devplugd import config, device_config
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
@@ -124,7 +124,7 @@ class TestResourceName:
     @pytest.mark.parametrize("name", ["ate.dev/kvm", "ate.dev/vhost-net", "example.com/a_b.c", "x/y"])
     def test_valid(self, name: str) -> None:
         """Names kubelet accepts."""
-        assert config.is_extended_resource_name(name)
+        assert device_config.is_extended_resource_name(name)
 
     @pytest.mark.parametrize(
         "name",
@@ -132,14 +132,14 @@ class TestResourceName:
     )
     def test_invalid(self, name: str) -> None:
         """Names kubelet rejects at Register."""
-        assert not config.is_extended_resource_name(name)
+        assert not device_config.is_extended_resource_name(name)
 
 
 class TestMessageBound:
     def test_65536_kvm_units_fit(self) -> None:
         """The largest count fits with short IDs, well under kubelet's 4 MiB."""
         dev = DeviceConfig("ate.dev/kvm", "/dev/kvm", count=65536)
-        assert config.listandwatch_bytes(dev) <= config.MAX_MESSAGE_BYTES
+        assert device_config.listandwatch_bytes(dev) <= device_config.MAX_MESSAGE_BYTES
 
     def test_long_ids_lower_the_bound(self) -> None:
         """Long device names with a large count are refused, naming the size."""

@@ -255,8 +255,8 @@ class TestCharLink:
 class TestDeviceRegistry:
     async def test_apply_adds_changes_and_removes(self, fake_root: Path, kernel: FakeKernel) -> None:
         """apply() keeps a changed resource's object (its streams stay), adds new ones and drops removed ones."""
-        changes: list[None] = []
-        registry = DeviceRegistry(str(fake_root), kernel, lambda: changes.append(None))
+        changes: list[str | None] = []
+        registry = DeviceRegistry(str(fake_root), kernel, lambda _resource, event: changes.append(event))
         tun = DeviceConfig("ate.dev/tun", "/dev/net/tun", preopen=True)
         registry.apply((KVM, tun), str(fake_root))
         kvm = registry.resources["ate.dev/kvm"]
@@ -267,7 +267,7 @@ class TestDeviceRegistry:
 
     async def test_reconcile_logs_each_transition_once(self, fake_root: Path, kernel: FakeKernel) -> None:
         """A node that goes and comes back is logged as device-removed, then device-added, with its fields."""
-        registry = DeviceRegistry(str(fake_root), kernel, lambda: None)
+        registry = DeviceRegistry(str(fake_root), kernel, lambda _resource, _event: None)
         with recording_events() as events:
             registry.apply((KVM,), str(fake_root))
             node = fake_root / "dev" / "kvm"
@@ -284,7 +284,7 @@ class TestDeviceRegistry:
     async def test_preopen_on_add_only(self, fake_root: Path, kernel: FakeKernel) -> None:
         """A preopen device is opened when it is added (or changed), not on every look."""
         node = char_node(kernel, fake_root, "vhost-net", (10, 238))
-        registry = DeviceRegistry(str(fake_root), kernel, lambda: None)
+        registry = DeviceRegistry(str(fake_root), kernel, lambda _resource, _event: None)
         vhost = DeviceConfig("ate.dev/vhost-net", "/dev/vhost-net", preopen=True)
         registry.apply((vhost,), str(fake_root))
         registry.reconcile()

@@ -23,9 +23,9 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from ate_devplugd import __version__
+from ate_devplugd import __version__, config
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
-from ate_devplugd.textfile import TextfileWriter, path_error
+from ate_devplugd.textfile import TextfileWriter
 from tests.prometheus_tools import watching
 
 KVM = "ate.dev/kvm"
@@ -127,7 +127,8 @@ class TestMetrics:
         metrics.add_resource(KVM)
         metrics.add_resource(VHOST)
         metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
-        metrics.set_device(VHOST, present=True, healthy=False, advertised_units=16)
+        metrics.set_device(VHOST, present=True, healthy=True, advertised_units=16)
+        metrics.set_device(VHOST, present=True, healthy=False, advertised_units=16)  # a health transition
         metrics.set_registered(KVM, True)
         metrics.set_streams(KVM, 1)
         for _ in range(3):
@@ -138,7 +139,6 @@ class TestMetrics:
         metrics.allocate_error(KVM, "INVALID_ARGUMENT")
         metrics.allocate_error(KVM, "FAILED_PRECONDITION")
         metrics.allocate_error(KVM, "FAILED_PRECONDITION")
-        metrics.health_transition(VHOST)
         metrics.kubelet_restart()
         metrics.reload()
         metrics.reload_failed()
@@ -551,4 +551,8 @@ class TestPathError:
     )
     def test_metrics_file_values(self, path: str, ok: bool) -> None:
         """An absolute *.prom path or "" (off) is accepted; anything node_exporter would not read is not."""
-        assert (path_error(path) is None) == ok
+        if ok:
+            assert config.parse(f"metrics_file = {path!r}").metrics_file == path
+        else:
+            with pytest.raises(config.ConfigError, match="metrics_file"):
+                config.parse(f"metrics_file = {path!r}")

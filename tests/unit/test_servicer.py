@@ -10,7 +10,7 @@ import pytest
 
 from ate_devplugd import endpoint
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
-from ate_devplugd.config import max_request_bytes
+from ate_devplugd.device_config import max_request_bytes
 from ate_devplugd.devices import Presence
 from tests.support import GONE, PRESENT, alloc, kvm_resource, served
 
