@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import re
 import shutil
-import struct
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,8 +27,6 @@ NODE_EXPORTER = "prometheus-node-exporter"
 PROMTOOL = "promtool"
 _PACKAGES = {NODE_EXPORTER: "prometheus-node-exporter", PROMTOOL: "prometheus"}
 _LISTENING = re.compile(r'msg="Listening on" address=(\S+)')
-IN_CLOSE_WRITE = 0x00000008
-_EVENT = struct.Struct("iIII")
 
 
 def require_tool(name: str) -> str:
@@ -171,36 +167,21 @@ async def promtool(*args: str, stdin: bytes | None = None, timeout: float = 30.0
 
 
 class FileEvents:
-    """Real inotify on a directory: the event masks about one file name, queued; renames onto it counted."""
+    """Real inotify on a directory (the daemon's own DirWatcher): the events about one file name, queued;
+    renames onto it counted."""
 
     def __init__(self, directory: Path, name: str) -> None:
         self.name = name
         self.queue: asyncio.Queue[int] = asyncio.Queue()
         self.renames = 0
-        lib = inotify._lib()
-        self._fd = lib.init1(inotify.IN_NONBLOCK | inotify.IN_CLOEXEC)
-        mask = inotify.IN_MOVED_TO | inotify.IN_CREATE | inotify.IN_MODIFY | IN_CLOSE_WRITE
-        if self._fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1")
-        if lib.add_watch(self._fd, os.fsencode(directory), mask) < 0:
-            err = ctypes.get_errno()
-            os.close(self._fd)
-            raise OSError(err, f"inotify_add_watch {directory}")
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._fd, self._read)
+        self._watch = inotify.DirWatcher(str(directory), self._on_events, written=True)
+        self._watch.start()
 
-    def _read(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                buf = os.read(self._fd, 65536)
-                offset = 0
-                while offset < len(buf):
-                    _wd, mask, _cookie, length = _EVENT.unpack_from(buf, offset)
-                    name = os.fsdecode(buf[offset + _EVENT.size : offset + _EVENT.size + length].rstrip(b"\0"))
-                    offset += _EVENT.size + length
-                    if name == self.name:
-                        self.renames += bool(mask & inotify.IN_MOVED_TO)
-                        self.queue.put_nowait(mask)
+    def _on_events(self, events: list[inotify.DirEvent]) -> None:
+        for event in events:
+            if event.name == self.name:
+                self.renames += bool(event.mask & inotify.IN_MOVED_TO)
+                self.queue.put_nowait(event.mask)
 
     async def renamed(self, timeout: float = 5.0) -> None:
         """Wait for the next rename onto the file; any other event on its name fails the test."""
@@ -209,8 +190,7 @@ class FileEvents:
         assert mask == inotify.IN_MOVED_TO, f"the file itself was written in place (mask {mask:#x})"
 
     def close(self) -> None:
-        self._loop.remove_reader(self._fd)
-        os.close(self._fd)
+        self._watch.close()
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from ate_devplugd.config import Config, DeviceConfig
 from ate_devplugd.daemon import Daemon
 from ate_devplugd.devices import Presence, Resource
 from ate_devplugd.inotify import DirEvent, DirWatcher
-from ate_devplugd.kernel import NodeStat
+from ate_devplugd.kernel import KernelView, NodeStat
 from ate_devplugd.logs import FIELD_EVENT
 from ate_devplugd.notify import Notifier
 from tests.fakes.kubelet import FakeKubelet
@@ -381,7 +381,7 @@ class DaemonInProcess:
 @contextlib.asynccontextmanager
 async def daemon_in_process(
     config: Config,
-    kernel: FakeKernel,
+    kernel: KernelView,
     *,
     monitor: FakeMonitor | None = None,
     reload_config: Callable[[], Config] | None = None,

@@ -131,6 +131,8 @@ class FakeKubelet:
         self.endpoints: dict[str, Endpoint] = {}
         self.register_delay = 0.0
         self.reject_register: str | None = None
+        #: Called when a Register arrives, before anything else (a test's look at that moment).
+        self.on_register: Any = None
         self._server: grpc.aio.Server | None = None
         self._log = log
         # One number per kubelet "process": a Register still being handled when this fake restarts
@@ -207,6 +209,8 @@ class FakeKubelet:
         self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.Empty:
         received = time.monotonic()
+        if self.on_register is not None:
+            self.on_register()
         incarnation = self._incarnation
         name = request.resource_name
         if self.register_delay:

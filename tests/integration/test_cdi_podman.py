@@ -1,19 +1,25 @@
 """CDI in a real container (podman 4.3.1): a spec grants /dev/kvm to a non-root process, and what podman refuses.
 
-The specs here are written by hand, as the daemon will write them: one device ``kvm`` of kind
+``TestDaemonWrittenSpec`` runs the daemon and gives podman the spec it wrote and the names its Allocate
+sent. The other specs here are written by hand, as the daemon writes them: one device ``kvm`` of kind
 ``ate.dev/kvm``, one character node with its major:minor read from the host, ``rw``, and the
 container-side mode and owner. Each run sees only its own spec directory (tests.podman).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ate_devplugd.kernel import UdevKernelView
 from tests.podman import KvmCheck, NodeStat, Podman, PodmanRunError, kvm_spec, write_spec
+from tests.support import RESOURCE, daemon_in_process, kvm_config, started_kubelet
 
 DEVICE = "ate.dev/kvm=kvm"
 #: A uid/gid that neither the host nor the image knows: only the node's "other" bits can let it in.
@@ -125,3 +131,49 @@ class TestCdiLimits:
         assert refused.value.returncode == 126
         assert refused.value.error == f"setting up CDI devices: unresolvable CDI devices {DEVICE}"
         assert refused.value.cdi_reason is None
+
+
+class TestDaemonWrittenSpec:
+    """The spec the daemon writes, read by the real consumer: what Allocate names, podman applies."""
+
+    @staticmethod
+    async def allocated_run(
+        podman: Podman, tmp_path: Path, **device: Any
+    ) -> tuple[KvmCheck, list[str], dict[str, Any]]:
+        """The daemon (real kernel view, the host's /dev/kvm) with cdi = true; one Allocate; the run podman
+        makes of its response's CDI names, as a process that dropped to a stranger's uid."""
+        plugin_dir = tmp_path / "device-plugins"
+        plugin_dir.mkdir()
+        config = dataclasses.replace(kvm_config(plugin_dir, Path("/"), cdi=True, **device), dev_root="/")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, UdevKernelView()):
+                await kubelet.next_event("list")
+                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+        finally:
+            await kubelet.stop()
+        names = [c.name for c in cresp.cdi_devices]
+        spec_dir = Path(config.cdi_dir)
+        spec = json.loads((spec_dir / "ate.dev-kvm.json").read_text())
+        check = await podman.run(cdi_devices=names, run_as=SANDBOX, spec_dir=spec_dir)
+        return check, names, spec
+
+    async def test_non_root_opens_kvm(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        """cdi = true: a process that is not root opens /dev/kvm (0666 in the container) and gets API 12."""
+        check, names, spec = await self.allocated_run(podman, tmp_path)
+        assert names == [DEVICE] and spec["cdiVersion"] == "0.3.0"
+        assert check.opened and check.api_version == KVM_API_VERSION, check.raw
+        assert check.node is not None and (check.node.mode, check.node.major, check.node.minor) == (
+            0o666,
+            host_kvm.major,
+            host_kvm.minor,
+        )
+        assert_rule(check, host_kvm, "rw")
+
+    async def test_host_mode_in_the_spec_is_refused(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        """A table that keeps the host's owner and mode: the node is there, the same process gets EACCES."""
+        check, _, _ = await self.allocated_run(
+            podman, tmp_path, container_mode=host_kvm.mode, container_uid=host_kvm.uid, container_gid=host_kvm.gid
+        )
+        assert check.node == host_kvm
+        assert check.open_error == "EACCES", check.raw

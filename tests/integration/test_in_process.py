@@ -8,16 +8,19 @@ else is real: gRPC on unix sockets, the fake kubelet, inotify, sd_notify datagra
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from tests.fakes.kubelet import FakeKubelet
+from tests.fault.harness import read_only_bind
 from tests.support import (
     RESOURCE,
     SOCKET,
@@ -328,5 +331,103 @@ class TestInstance:
                     assert await second.stop() == os.EX_CANTCREAT
                 assert registrations(kubelet) == 1
                 await kubelet.allocate(RESOURCE, ["kvm-0"])
+        finally:
+            await kubelet.stop()
+
+
+def cdi_spec(path: Path) -> dict[str, Any]:
+    node: dict[str, Any] = json.loads(path.read_text())["devices"][0]["containerEdits"]["deviceNodes"][0]
+    return node
+
+
+class TestCdi:
+    async def test_spec_in_place_before_register(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """With cdi = true the spec exists when kubelet gets Register, and Allocate names its device."""
+        spec = plugin_dir.parent / "cdi" / "ate.dev-kvm.json"
+        kubelet = await started_kubelet(plugin_dir)
+        seen_at_register: list[bool] = []
+        kubelet.on_register = lambda: seen_at_register.append(spec.exists())
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root, cdi=True), kernel):
+                await kubelet.next_event("list")
+                assert seen_at_register == [True]
+                assert cdi_spec(spec) == {
+                    "path": "/dev/kvm",
+                    "type": "c",
+                    "major": 10,
+                    "minor": 232,
+                    "permissions": "rw",
+                    "fileMode": 0o666,
+                }
+                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+                assert [c.name for c in cresp.cdi_devices] == ["ate.dev/kvm=kvm"]
+                assert [d.host_path for d in cresp.devices] == ["/dev/kvm"]
+        finally:
+            await kubelet.stop()
+
+    async def test_spec_follows_reload_and_numbers(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """A reload that changes the container mode, and a node that comes back with other numbers, rewrite
+        the spec; the registration stays; a reload that drops the resource removes its spec."""
+        spec = plugin_dir.parent / "cdi" / "ate.dev-kvm.json"
+        current = [kvm_config(plugin_dir, fake_root, cdi=True)]
+        monitor = FakeMonitor()
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(
+                current[0], kernel, monitor=monitor, reload_config=lambda: current[0]
+            ) as running:
+                await kubelet.next_event("list")
+                current[0] = kvm_config(plugin_dir, fake_root, cdi=True, container_mode=0o660, container_gid=107)
+                running.daemon.request_reload()
+                await running.events.wait_for("reload")
+                assert (cdi_spec(spec)["fileMode"], cdi_spec(spec)["gid"]) == (0o660, 107)
+                node = fake_root / "dev" / "kvm"
+                kernel.add_node(node, (10, 99))
+                kernel.names[(10, 99)] = "/dev/kvm"
+                monitor.emit()
+                await running.events.wait_for("cdi-spec")
+                assert cdi_spec(spec)["minor"] == 99
+                assert registrations(kubelet) == 1
+                current[0] = dataclasses.replace(current[0], devices=(DeviceConfig("ate.dev/other", "/dev/kvm"),))
+                running.daemon.request_reload()
+                await running.events.wait_for("reload")
+                assert not spec.exists()
+        finally:
+            await kubelet.stop()
+            monitor.close()
+
+    async def test_unwritable_spec_directory(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A spec directory that cannot be made: one warning, and the resource registers and is granted
+        as without CDI (DeviceSpec only)."""
+        blocker = tmp_path / "not-a-directory"
+        blocker.write_text("")
+        config = dataclasses.replace(kvm_config(plugin_dir, fake_root, cdi=True), cdi_dir=str(blocker / "cdi"))
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel) as running:
+                await kubelet.next_event("list")
+                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+                assert not cresp.cdi_devices and [d.host_path for d in cresp.devices] == ["/dev/kvm"]
+                (warning,) = running.events.named("cdi-failed")
+                assert warning.levelno == logging.WARNING
+        finally:
+            await kubelet.stop()
+
+    async def test_read_only_spec_directory(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """The spec directory read-only (a read-only bind mount): registration and Allocate unaffected."""
+        if os.geteuid() != 0:
+            pytest.skip("a read-only bind mount needs root")
+        cdi_dir = plugin_dir.parent / "cdi"
+        cdi_dir.mkdir()
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            with read_only_bind(cdi_dir):
+                async with daemon_in_process(kvm_config(plugin_dir, fake_root, cdi=True), kernel) as running:
+                    await kubelet.next_event("list")
+                    (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+                    assert not cresp.cdi_devices
+                    assert "Read-only" in running.events.named("cdi-failed")[0].getMessage()
         finally:
             await kubelet.stop()

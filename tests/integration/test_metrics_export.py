@@ -9,12 +9,24 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd import __version__
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.textfile import TextfileWriter
-from tests.prometheus_tools import node_exporter, promtool, sample, watching
+from tests.prometheus_tools import NodeExporter, node_exporter, promtool, sample, watching
+from tests.support import (
+    FakeKernel,
+    daemon,
+    daemon_in_process,
+    kvm_config,
+    kvm_uevent,
+    make_kvm_node,
+    started_kubelet,
+    wait_for_content,
+    write_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "docs" / "ate-devplugd.rules.yml"
@@ -155,3 +167,82 @@ class TestPromtool:
         """promtool test rules: each alert fires for its case after its delay, and not for the healthy ones."""
         rc, out = await promtool("test", "rules", str(RULES_TEST))
         assert rc == 0, out
+
+
+class TestDaemonThroughNodeExporter:
+    """The daemon's own file, as node_exporter serves it, following what kubelet and the device do."""
+
+    @staticmethod
+    async def scraped(exporter: NodeExporter, path: Path, line: str) -> dict[str, Metric]:
+        """Once the file shows ``line`` (a write is renamed into place), what node_exporter serves."""
+        await wait_for_content(path, line)
+        families = await exporter.families()
+        assert sample(families, "node_textfile_scrape_error") == 0
+        return families
+
+    async def test_values_move_as_they_should(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """registered 1 after Register; healthy 0 then 1 across a real removal and return (real uevents);
+        allocations +5 after five Allocates; kubelet restarts +1 after a kubelet restart."""
+        textfiles = tmp_path / "textfile"
+        textfiles.mkdir()
+        metrics = textfiles / FILE
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, metrics_file=metrics)
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with node_exporter(textfiles) as exporter, daemon(cfg) as proc:
+                await kubelet.next_event("list")
+                families = await self.scraped(exporter, metrics, f'ate_devplugd_registered{{resource="{KVM}"}} 1.0')
+                assert sample(families, "ate_devplugd_registered", resource=KVM) == 1, proc.log()
+                assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 4096
+                restarts = sample(families, "ate_devplugd_kubelet_restarts_total")
+
+                (dev_root / "dev" / "kvm").unlink()
+                kvm_uevent()
+                families = await self.scraped(exporter, metrics, f'ate_devplugd_device_healthy{{resource="{KVM}"}} 0.0')
+                assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 0
+                make_kvm_node(dev_root)
+                kvm_uevent()
+                families = await self.scraped(exporter, metrics, f'ate_devplugd_device_healthy{{resource="{KVM}"}} 1.0')
+                assert sample(families, "ate_devplugd_health_transitions_total", resource=KVM) == 2
+
+                allocated = sample(families, "ate_devplugd_allocations_total", resource=KVM)
+                for n in range(5):
+                    await kubelet.allocate(KVM, [f"kvm-{n}"])
+                after = f'ate_devplugd_allocations_total{{resource="{KVM}"}} {allocated + 5}'
+                families = await self.scraped(exporter, metrics, after)
+                assert sample(families, "ate_devplugd_allocations_total", resource=KVM) == allocated + 5
+
+                await kubelet.restart()
+                await kubelet.next_event("register")
+                families = await self.scraped(exporter, metrics, f"ate_devplugd_kubelet_restarts_total {restarts + 1}")
+                assert sample(families, "ate_devplugd_kubelet_restarts_total") == restarts + 1
+                assert sample(families, "ate_devplugd_registrations_total", resource=KVM) == 2
+        finally:
+            await kubelet.stop()
+
+    async def test_allocate_burst_writes_a_bounded_number_of_times(
+        self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """1,000 Allocates as fast as kubelet can send them: the file is written about once a second, and
+        its last write holds the final count."""
+        textfiles = plugin_dir.parent / "textfile"
+        textfiles.mkdir()
+        config = kvm_config(plugin_dir, fake_root, metrics_file=textfiles / FILE)
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel):
+                await kubelet.next_event("list")
+                await wait_for_content(textfiles / FILE, f'ate_devplugd_registered{{resource="{KVM}"}} 1.0')
+                with watching(textfiles, FILE) as events:
+                    loop = asyncio.get_running_loop()
+                    started = loop.time()
+                    for n in range(1000):
+                        await kubelet.allocate(KVM, [f"kvm-{n}"])
+                    took = loop.time() - started
+                    await wait_for_content(
+                        textfiles / FILE, f'ate_devplugd_allocations_total{{resource="{KVM}"}} 1000.0'
+                    )
+                    print(f"1000 Allocates in {took:.2f} s: {events.renames} writes of the metrics file")
+                    assert 1 <= events.renames <= took / 1.0 + 2, (events.renames, took)
+        finally:
+            await kubelet.stop()

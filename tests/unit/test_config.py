@@ -38,9 +38,28 @@ class TestDefaults:
         assert dev.id_prefix == "vhost-net-"
 
     def test_render_round_trips(self) -> None:
-        """check-config's output parses back to the same config."""
-        cfg = config.parse(KVM + '[[device]]\nresource = "x.io/tun"\npath = "/dev/net/tun"\nprobe = "kvm"\n')
-        assert config.parse(config.render(cfg)) == cfg
+        """check-config's output parses back to the same config, CDI keys and group names included."""
+        cfg = config.parse(
+            'cdi_dir = "/etc/cdi"\nmetrics_file = ""\n'
+            + KVM
+            + 'cdi = true\ncontainer_mode = 0o660\ncontainer_uid = 0\ncontainer_gid = "kvm"\n'
+            + '[[device]]\nresource = "x.io/tun"\npath = "/dev/net/tun"\nprobe = "kvm"\n',
+            gid_of={"kvm": 107}.__getitem__,
+        )
+        text = config.render(cfg)
+        assert 'container_gid = "kvm"' in text and "container_mode = 0o660" in text
+        assert config.parse(text, gid_of={"kvm": 107}.__getitem__) == cfg
+
+    def test_cdi_keys(self) -> None:
+        """cdi = true alone: mode 0666 in the container, no owner; a group name becomes the host's gid."""
+        (plain,) = config.parse(KVM + "cdi = true\n").devices
+        assert (plain.cdi, plain.node_mode, plain.container_uid, plain.container_gid) == (True, 0o666, None, None)
+        cfg = config.parse(KVM + 'cdi = true\ncontainer_gid = "kvm"\n', gid_of={"kvm": 107}.__getitem__)
+        assert (cfg.devices[0].container_gid, cfg.devices[0].container_group) == (107, "kvm")
+        assert (cfg.cdi_dir, cfg.metrics_file) == (
+            "/var/run/cdi",
+            "/var/lib/prometheus/node-exporter/ate-devplugd.prom",
+        )
 
     def test_overrides_are_validated(self) -> None:
         """Command-line overrides replace file values and are checked like them."""
@@ -101,6 +120,25 @@ BAD = [
     ("log_level unknown", 'log_level = "loud"\n', ["log_level: must be one of"]),
     ("not TOML", "[[device]\n", ["not valid TOML"]),
     ("ID too long", '[[device]]\nresource = "a.io/x"\npath = "/dev/' + "x" * 60 + '"\n', ["63 characters"]),
+    ("cdi a string", KVM + 'cdi = "yes"\n', ["device[0] (ate.dev/kvm): cdi: must be true or false, not 'yes'"]),
+    ("container_mode without cdi", KVM + "container_mode = 0o666\n", ["container_mode: takes effect only with cdi"]),
+    (
+        "container_mode too big",
+        KVM + "cdi = true\ncontainer_mode = 0o1777\n",
+        ["container_mode: 1023 must be a file mode"],
+    ),
+    ("container_mode a string", KVM + 'cdi = true\ncontainer_mode = "0666"\n', ["container_mode: '0666'"]),
+    ("container_uid negative", KVM + "cdi = true\ncontainer_uid = -1\n", ["container_uid: -1 must be a uid"]),
+    ("unknown group", KVM + 'cdi = true\ncontainer_gid = "no-such-group"\n', ["container_gid: group 'no-such-group'"]),
+    ("container_gid a float", KVM + "cdi = true\ncontainer_gid = 1.5\n", ["container_gid: 1.5 must be a gid"]),
+    (
+        "CDI class with a dot",
+        '[[device]]\nresource = "ate.dev/kvm.v2"\npath = "/dev/kvm"\ncdi = true\n',
+        ["resource: 'ate.dev/kvm.v2' is not a CDI kind"],
+    ),
+    ("cdi_dir relative", 'cdi_dir = "cdi"\n', ["cdi_dir: must be an absolute path, not 'cdi'"]),
+    ("metrics_file not .prom", 'metrics_file = "/tmp/m.txt"\n', ["metrics_file: '/tmp/m.txt' must name a *.prom file"]),
+    ("metrics_file relative", 'metrics_file = "m.prom"\n', ["metrics_file: must be an absolute path"]),
 ]
 
 

@@ -91,6 +91,35 @@ class TestDevicePluginService:
             ]
             assert not cresp.mounts and not cresp.envs and not cresp.cdi_devices
 
+    async def test_allocate_without_cdi_is_unchanged_on_the_wire(self, tmp_path: Path) -> None:
+        """With CDI off (the default) the response is byte for byte the DeviceSpec-only one."""
+        async with (
+            served(tmp_path, kvm_resource()) as (server, _),
+            grpc.aio.insecure_channel(endpoint.unix_target(server.socket_path)) as channel,
+        ):
+            allocate = channel.unary_unary(
+                "/v1beta1.DevicePlugin/Allocate", request_serializer=api_pb2.AllocateRequest.SerializeToString
+            )
+            raw = await allocate(alloc(["kvm-0"]))
+        expected = api_pb2.AllocateResponse(
+            container_responses=[
+                api_pb2.ContainerAllocateResponse(
+                    devices=[api_pb2.DeviceSpec(container_path="/dev/kvm", host_path="/dev/kvm", permissions="rw")]
+                )
+            ]
+        )
+        assert raw == expected.SerializeToString()
+        assert raw == b"\n\x1a\x1a\x18\n\x08/dev/kvm\x12\x08/dev/kvm\x1a\x02rw"  # as before CDI existed
+
+    async def test_allocate_with_cdi_names_the_device_beside_the_spec(self, tmp_path: Path) -> None:
+        """With the spec in place Allocate sends the DeviceSpec and the CDI name together."""
+        resource = kvm_resource()
+        resource.cdi_device = "ate.dev/kvm=kvm"
+        async with served(tmp_path, resource) as (_, stub):
+            (cresp,) = (await stub.Allocate(alloc(["kvm-0"]))).container_responses
+        assert [d.host_path for d in cresp.devices] == ["/dev/kvm"]
+        assert [c.name for c in cresp.cdi_devices] == ["ate.dev/kvm=kvm"]
+
     @pytest.mark.parametrize(
         ("ids", "code", "fragment"),
         [

@@ -1,0 +1,148 @@
+"""CDI specs as the daemon writes them: content, file, when they are written again, and what happens
+when they cannot be."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from ate_devplugd import cdi
+from ate_devplugd.config import DeviceConfig
+from ate_devplugd.devices import Presence, Resource
+from tests.support import recording_events
+
+KVM = DeviceConfig("ate.dev/kvm", "/dev/kvm", cdi=True)
+
+
+def present(config: DeviceConfig, devnum: tuple[int, int] = (10, 232)) -> Resource:
+    resource = Resource(config)
+    resource.update(Presence(True, True, "character device", devnum=devnum))
+    return resource
+
+
+class TestSpec:
+    def test_every_field_written(self) -> None:
+        """cdiVersion 0.3.0, the kind, one device named after the node, type, numbers, rw, fileMode as a
+        number; uid and gid only when configured."""
+        assert cdi.spec(KVM, 10, 232) == {
+            "cdiVersion": "0.3.0",
+            "kind": "ate.dev/kvm",
+            "devices": [
+                {
+                    "name": "kvm",
+                    "containerEdits": {
+                        "deviceNodes": [
+                            {
+                                "path": "/dev/kvm",
+                                "type": "c",
+                                "major": 10,
+                                "minor": 232,
+                                "permissions": "rw",
+                                "fileMode": 438,
+                            }
+                        ]
+                    },
+                }
+            ],
+        }
+        owned = DeviceConfig(
+            "ate.dev/kvm", "/dev/kvm", cdi=True, container_mode=0o660, container_uid=0, container_gid=107
+        )
+        node = cdi.spec(owned, 10, 232)["devices"][0]["containerEdits"]["deviceNodes"][0]
+        assert (node["fileMode"], node["uid"], node["gid"]) == (0o660, 0, 107)
+
+    def test_names(self, tmp_path: Path) -> None:
+        """The qualified name Allocate sends, and the spec's file name (vendor-class.json)."""
+        tun = DeviceConfig("ate.dev/tun", "/dev/net/tun", cdi=True)
+        assert cdi.qualified_name(KVM) == "ate.dev/kvm=kvm"
+        assert cdi.qualified_name(tun) == "ate.dev/tun=tun"
+        assert cdi.spec_path(str(tmp_path), tun) == str(tmp_path / "ate.dev-tun.json")
+
+
+class TestCdiSpecs:
+    def test_written_before_use_then_named(self, tmp_path: Path) -> None:
+        """A present CDI resource gets its spec (mode 0644, whatever the umask) and its CDI name."""
+        specs = cdi.CdiSpecs(str(tmp_path / "cdi"))
+        resource = present(KVM)
+        old = os.umask(0o077)
+        try:
+            specs.sync(resource)
+        finally:
+            os.umask(old)
+        path = tmp_path / "cdi" / "ate.dev-kvm.json"
+        assert json.loads(path.read_text()) == cdi.spec(KVM, 10, 232)
+        assert path.stat().st_mode & 0o777 == 0o644
+        assert resource.cdi_device == "ate.dev/kvm=kvm"
+        assert [p.name for p in path.parent.iterdir()] == ["ate.dev-kvm.json"], "no temp file left"
+
+    def test_not_written_without_cdi_or_before_the_device_is_seen(self, tmp_path: Path) -> None:
+        """cdi = false writes nothing; nor does a CDI device never seen present (there are no numbers)."""
+        specs = cdi.CdiSpecs(str(tmp_path))
+        plain = present(DeviceConfig("ate.dev/kvm", "/dev/kvm"))
+        specs.sync(plain)
+        absent = Resource(KVM)
+        absent.update(Presence(False, False, "does not exist"))
+        specs.sync(absent)
+        assert list(tmp_path.iterdir()) == []
+        assert plain.cdi_device is None and absent.cdi_device is None
+
+    def test_follows_numbers_and_config_only(self, tmp_path: Path) -> None:
+        """Written again when the node's major:minor or the table changes; not when nothing did, nor when
+        the device goes away (the spec stays for the containers that hold it)."""
+        specs = cdi.CdiSpecs(str(tmp_path))
+        resource = present(KVM)
+        path = tmp_path / "ate.dev-kvm.json"
+        specs.sync(resource)
+        inode = path.stat().st_ino
+        specs.sync(resource)
+        resource.update(Presence(False, False, "gone"))
+        specs.sync(resource)
+        assert path.stat().st_ino == inode, "rewritten although nothing changed"
+        resource.update(Presence(True, True, "back", devnum=(10, 200)))
+        specs.sync(resource)
+        assert json.loads(path.read_text())["devices"][0]["containerEdits"]["deviceNodes"][0]["minor"] == 200
+        resource.replace_config(DeviceConfig("ate.dev/kvm", "/dev/kvm", cdi=True, container_mode=0o600))
+        specs.sync(resource)
+        assert json.loads(path.read_text())["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"] == 0o600
+
+    def test_a_current_spec_is_left_alone(self, tmp_path: Path) -> None:
+        """A restarted daemon finds its spec as it would write it: the file is not replaced."""
+        cdi.CdiSpecs(str(tmp_path)).sync(present(KVM))
+        inode = (tmp_path / "ate.dev-kvm.json").stat().st_ino
+        resource = present(KVM)
+        cdi.CdiSpecs(str(tmp_path)).sync(resource)
+        assert (tmp_path / "ate.dev-kvm.json").stat().st_ino == inode
+        assert resource.cdi_device == "ate.dev/kvm=kvm"
+
+    def test_unwritable_directory_falls_back_once(self, tmp_path: Path) -> None:
+        """A directory that cannot be made: one warning, no CDI name (plain DeviceSpec), until a reload."""
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        specs = cdi.CdiSpecs(str(blocker / "cdi"))
+        resource = present(KVM)
+        with recording_events() as events:
+            for _ in range(3):
+                specs.sync(resource)
+        (warning,) = events.named("cdi-failed")
+        assert warning.levelno == logging.WARNING and "without CDI" in warning.getMessage()
+        assert resource.cdi_device is None
+        specs.apply(str(tmp_path / "cdi"), (KVM,))
+        specs.sync(resource)
+        assert resource.cdi_device == "ate.dev/kvm=kvm" and (tmp_path / "cdi" / "ate.dev-kvm.json").exists()
+
+    def test_removed_when_the_resource_leaves_or_stops_using_cdi(self, tmp_path: Path) -> None:
+        """A reload that drops the resource, or turns its CDI off, removes its spec; others stay."""
+        tun = DeviceConfig("ate.dev/tun", "/dev/net/tun", cdi=True)
+        specs = cdi.CdiSpecs(str(tmp_path))
+        kvm_resource, tun_resource = present(KVM), present(tun, (10, 200))
+        specs.sync(kvm_resource)
+        specs.sync(tun_resource)
+        specs.apply(str(tmp_path), (KVM,))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ate.dev-kvm.json"]
+        plain = DeviceConfig("ate.dev/kvm", "/dev/kvm")
+        specs.apply(str(tmp_path), (plain,))
+        kvm_resource.replace_config(plain)
+        specs.sync(kvm_resource)
+        assert list(tmp_path.iterdir()) == [] and kvm_resource.cdi_device is None
