@@ -241,7 +241,7 @@ def unit_directives() -> dict[str, list[str]]:
     [
         ("UMask", "0077"),
         ("ProtectSystem", "strict"),
-        ("ReadWritePaths", "-/var/lib/kubelet/device-plugins"),
+        ("ReadWritePaths", "-/var/lib/kubelet/device-plugins -/run/cdi -/var/lib/prometheus/node-exporter"),
         ("ProtectHome", "yes"),
         ("PrivateTmp", "yes"),
         ("DevicePolicy", "closed"),
