@@ -12,6 +12,8 @@ SYSPY     := /usr/bin/python3
 STAMPS    := .cache/stamps
 PB        := src/ate_devplugd/_pb
 PROTO     := proto/deviceplugin/v1beta1/api.proto
+# DRA protos: proto/<dir>/api.proto is generated as ate_devplugd._pb.<dir as package>.api_pb2
+DRA_PROTO_DIRS := dra/v1 dra/v1beta1 pluginregistration/v1 drahealth/v1alpha1
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/ate_devplugd/__init__.py)
 DEB       := dist/ate-devplugd_$(VERSION)_all.deb
 NOBODY    := setpriv --reuid=65534 --regid=65534 --clear-groups
@@ -63,13 +65,18 @@ run: dev ## the daemon in the foreground, console logs, default paths (ARGS='--l
 PROTOC_CMD = protoc -Iate_devplugd/_pb=$(dir $(PROTO)) --python_out=$(1) --pyi_out=$(1) \
 	--grpc_python_out=$(1) --plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin ate_devplugd/_pb/api.proto
 
+PROTOC_DRA_CMD = protoc -Iate_devplugd/_pb/$(2)=proto/$(2) --python_out=$(1) --pyi_out=$(1) \
+	--grpc_python_out=$(1) --plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin ate_devplugd/_pb/$(2)/api.proto
+
 proto: $(APT_STAMP) ## regenerate src/ate_devplugd/_pb from proto/ (Debian's protoc 3.21)
 	$(call PROTOC_CMD,src)
+	$(foreach d,$(DRA_PROTO_DIRS),$(call PROTOC_DRA_CMD,src,$(d));)
 
 proto-check: $(APT_STAMP) ## fail if the committed generated code differs from what `make proto` makes
 	@tmp=$$(mktemp -d); trap 'rm -rf $$tmp' EXIT; \
 	$(call PROTOC_CMD,$$tmp); \
-	for f in api_pb2.py api_pb2.pyi api_pb2_grpc.py; do \
+	$(foreach d,$(DRA_PROTO_DIRS),$(call PROTOC_DRA_CMD,$$tmp,$(d));) \
+	for f in api_pb2.py api_pb2.pyi api_pb2_grpc.py $(foreach d,$(DRA_PROTO_DIRS),$(addprefix $(d)/,api_pb2.py api_pb2.pyi api_pb2_grpc.py)); do \
 	  cmp -s $$tmp/ate_devplugd/_pb/$$f $(PB)/$$f || { echo "$(PB)/$$f differs from 'make proto' output"; exit 1; }; \
 	done; echo "proto-check: generated code matches proto/"
 
