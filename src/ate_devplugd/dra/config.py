@@ -1,0 +1,153 @@
+"""The ``[dra]`` table and the top-level ``mode``: validated field by field into a frozen dataclass.
+
+Like the daemon's own config: nothing here does I/O except asking for the host name; every error line
+names the key and the bad value, and all errors are returned together.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MODES = ("device-plugin", "dra")
+SHARING = ("units", "shared")
+DEFAULT_DRIVER = "kvm.ate.dev"
+DEFAULT_KUBECONFIG = "/etc/kubernetes/kubelet.conf"
+DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
+#: A ResourceSlice holds at most 128 devices; one slice per pool keeps every update atomic.
+MAX_DEVICES = 128
+DEFAULT_DEVICES = 128
+#: sun_path is 108 bytes with its NUL.
+MAX_SOCKET_PATH = 107
+
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*\Z")
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    """What DRA mode needs beyond the device list."""
+
+    node_name: str
+    driver: str = DEFAULT_DRIVER
+    kubeconfig: str = DEFAULT_KUBECONFIG
+    kubelet_dir: str = DEFAULT_KUBELET_DIR
+    sharing: str = "units"
+    devices: int = DEFAULT_DEVICES
+
+    @property
+    def plugin_socket(self) -> str:
+        """Where DRAPlugin is served: ``<kubelet_dir>/plugins/<driver>/dra.sock``."""
+        return posixpath.join(self.kubelet_dir, "plugins", self.driver, "dra.sock")
+
+    @property
+    def registration_socket(self) -> str:
+        """Where kubelet's plugin watcher finds us: ``<kubelet_dir>/plugins_registry/<driver>-reg.sock``."""
+        return posixpath.join(self.kubelet_dir, "plugins_registry", self.driver + "-reg.sock")
+
+
+def is_dns_subdomain(value: str, max_len: int = 253) -> bool:
+    return 0 < len(value) <= max_len and bool(_DNS_SUBDOMAIN.match(value))
+
+
+def kubelet_hostname(gethostname: Callable[[], str] = socket.gethostname) -> str:
+    """The node name kubelet uses when not told otherwise: the host name, trimmed and lowercased."""
+    return gethostname().strip().lower()
+
+
+def validate_mode(value: object) -> tuple[str, list[str]]:
+    """Check the top-level ``mode`` key; ``device-plugin`` when it is absent (None)."""
+    if value is None:
+        return "device-plugin", []
+    if isinstance(value, str) and value in MODES:
+        return value, []
+    return "device-plugin", [f"mode: must be one of {', '.join(MODES)}, not {value!r}"]
+
+
+def from_mapping(
+    table: Mapping[str, Any] | None, gethostname: Callable[[], str] = socket.gethostname
+) -> tuple[DraConfig, list[str]]:
+    """Validate the parsed ``[dra]`` table (None: absent); returns the config and one line per error."""
+    errors: list[str] = []
+    data: Mapping[str, Any] = {} if table is None else table
+    if not isinstance(data, Mapping):
+        return DraConfig(node_name=""), [f"dra: must be a table, not {data!r}"]
+    known = {"driver", "node_name", "kubeconfig", "kubelet_dir", "sharing", "devices"}
+    errors.extend(f"dra: unknown key {key!r}" for key in data if key not in known)
+
+    driver = data.get("driver", DEFAULT_DRIVER)
+    if not (isinstance(driver, str) and is_dns_subdomain(driver, 63)):
+        errors.append(f"dra.driver: {driver!r} must be a DNS subdomain of at most 63 characters, e.g. 'kvm.ate.dev'")
+        driver = DEFAULT_DRIVER
+
+    if "node_name" in data:
+        node_name = data["node_name"]
+        if not (isinstance(node_name, str) and is_dns_subdomain(node_name)):
+            errors.append(f"dra.node_name: {node_name!r} must be a node name (a lowercase DNS subdomain)")
+            node_name = ""
+    else:
+        node_name = kubelet_hostname(gethostname)
+        if not is_dns_subdomain(node_name):
+            errors.append(
+                f"dra.node_name: the host name {node_name!r} is not a valid node name; "
+                "set node_name to the name of this node's Node object"
+            )
+
+    kubeconfig = _abs_path("dra.kubeconfig", data.get("kubeconfig", DEFAULT_KUBECONFIG), errors)
+    kubelet_dir = _abs_path("dra.kubelet_dir", data.get("kubelet_dir", DEFAULT_KUBELET_DIR), errors)
+
+    sharing = data.get("sharing", "units")
+    if sharing not in SHARING:
+        errors.append(f"dra.sharing: must be one of {', '.join(SHARING)}, not {sharing!r}")
+        sharing = "units"
+    devices = data.get("devices", DEFAULT_DEVICES)
+    if not isinstance(devices, int) or isinstance(devices, bool) or not 1 <= devices <= MAX_DEVICES:
+        errors.append(f"dra.devices: {devices!r} must be an integer from 1 to {MAX_DEVICES} (one ResourceSlice)")
+        devices = DEFAULT_DEVICES
+    elif sharing == "shared" and "devices" in data:
+        errors.append(f'dra.devices: {devices!r} applies only to sharing = "units" ("shared" has one device)')
+
+    config = DraConfig(
+        node_name=node_name,
+        driver=driver,
+        kubeconfig=kubeconfig or DEFAULT_KUBECONFIG,
+        kubelet_dir=kubelet_dir or DEFAULT_KUBELET_DIR,
+        sharing=sharing,
+        devices=devices,
+    )
+    for key, path in (("dra.kubelet_dir", config.plugin_socket), ("dra.kubelet_dir", config.registration_socket)):
+        if kubelet_dir and len(path.encode()) > MAX_SOCKET_PATH:
+            errors.append(f"{key}: {kubelet_dir!r} makes the socket path {path!r} longer than {MAX_SOCKET_PATH} bytes")
+            break
+    return config, errors
+
+
+def _abs_path(key: str, value: object, errors: list[str]) -> str:
+    if isinstance(value, str) and value.startswith("/") and "\0" not in value:
+        return posixpath.normpath(value)
+    errors.append(f"{key}: must be an absolute path, not {value!r}")
+    return ""
+
+
+def render(config: DraConfig) -> str:
+    """The effective ``[dra]`` table as TOML (for ``check-config``)."""
+    lines = [
+        "[dra]",
+        f'driver = "{config.driver}"',
+        f'node_name = "{config.node_name}"',
+        f"kubeconfig = {_toml_str(config.kubeconfig)}",
+        f"kubelet_dir = {_toml_str(config.kubelet_dir)}",
+        f'sharing = "{config.sharing}"',
+    ]
+    if config.sharing == "units":
+        lines.append(f"devices = {config.devices}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_str(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(c if c.isprintable() else f"\\U{ord(c):08x}" for c in escaped) + '"'
