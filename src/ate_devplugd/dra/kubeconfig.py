@@ -1,0 +1,159 @@
+"""Read a kubeconfig (kubelet's own ``kubelet.conf`` by default) into what an HTTPS client needs.
+
+It is read again for every connection attempt: kubelet rotates its client certificate in place, and
+an administrator may fix a broken file while the daemon keeps retrying. Certificates given inline
+(``*-data``) are handed to OpenSSL through memfds, never written to disk.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import os
+import posixpath
+import ssl
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class KubeconfigError(Exception):
+    """The kubeconfig cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The API server's address and how to authenticate to it."""
+
+    server: str
+    ssl_context: ssl.SSLContext | None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    source: str = ""
+
+
+def load(path: str) -> Credentials:
+    """Parse ``path`` into Credentials; raises KubeconfigError with one clear line."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KubeconfigError(f"{path}: cannot read: {exc}") from None
+    try:
+        doc = yaml.load(text, Loader=_LOADER)  # a safe loader (C if available)
+    except yaml.YAMLError as exc:
+        raise KubeconfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(doc, dict):
+        raise KubeconfigError(f"{path}: not a kubeconfig (expected a mapping at the top)")
+    return _credentials(path, doc)
+
+
+def _named(path: str, doc: Mapping[str, Any], kind: str, name: str) -> Mapping[str, Any]:
+    entries = doc.get(kind + "s") or []
+    if isinstance(entries, list):
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("name") == name and isinstance(entry.get(kind), dict):
+                return entry[kind]  # type: ignore[no-any-return]
+    raise KubeconfigError(f"{path}: {kind} {name!r} (named by the current context) is not in {kind}s")
+
+
+def _context_name(path: str, doc: Mapping[str, Any]) -> str:
+    current = doc.get("current-context")
+    if isinstance(current, str) and current:
+        return current
+    contexts = doc.get("contexts") or []
+    if isinstance(contexts, list) and len(contexts) == 1 and isinstance(contexts[0], dict):
+        return str(contexts[0].get("name", ""))
+    raise KubeconfigError(f"{path}: current-context is not set")
+
+
+def _credentials(path: str, doc: Mapping[str, Any]) -> Credentials:
+    context = _named(path, doc, "context", _context_name(path, doc))
+    cluster = _named(path, doc, "cluster", str(context.get("cluster", "")))
+    user = _named(path, doc, "user", str(context.get("user", ""))) if context.get("user") else {}
+    server = cluster.get("server")
+    if not isinstance(server, str) or not server.startswith(("https://", "http://")):
+        raise KubeconfigError(f"{path}: cluster server: {server!r} must be an https:// URL")
+    for unsupported in ("exec", "auth-provider", "username"):
+        if unsupported in user:
+            raise KubeconfigError(f"{path}: user {unsupported!r}: not supported (use a client certificate or a token)")
+    if "tls-server-name" in cluster:
+        raise KubeconfigError(f"{path}: cluster tls-server-name: not supported")
+    base = posixpath.dirname(posixpath.abspath(path))
+    headers = _auth_headers(path, base, user)
+    if server.startswith("http://"):
+        return Credentials(server.rstrip("/"), None, headers, path)
+    context_ssl = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    if cluster.get("insecure-skip-tls-verify") is True:
+        context_ssl.check_hostname = False
+        context_ssl.verify_mode = ssl.CERT_NONE
+    else:
+        ca = _pem(path, base, cluster, "certificate-authority")
+        if ca is not None:
+            try:
+                context_ssl.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+            except ssl.SSLError as exc:
+                raise KubeconfigError(f"{path}: certificate-authority: not a PEM certificate ({exc.reason})") from None
+    cert = _pem(path, base, user, "client-certificate")
+    key = _pem(path, base, user, "client-key")
+    if (cert is None) != (key is None):
+        raise KubeconfigError(f"{path}: user: client-certificate and client-key must be given together")
+    if cert is not None and key is not None:
+        with _memfd(cert) as cert_path, _memfd(key) as key_path:
+            try:
+                context_ssl.load_cert_chain(cert_path, key_path)
+            except ssl.SSLError as exc:
+                raise KubeconfigError(f"{path}: user: client certificate or key unusable ({exc.reason})") from None
+    return Credentials(server.rstrip("/"), context_ssl, headers, path)
+
+
+def _auth_headers(path: str, base: str, user: Mapping[str, Any]) -> dict[str, str]:
+    token = user.get("token")
+    if "tokenFile" in user and not token:
+        token_path = posixpath.join(base, str(user["tokenFile"]))
+        try:
+            with open(token_path, encoding="utf-8") as fh:
+                token = fh.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KubeconfigError(f"{path}: user tokenFile: cannot read {token_path}: {exc}") from None
+    if token is None:
+        return {}
+    if not isinstance(token, str) or not token or not token.isprintable():
+        raise KubeconfigError(f"{path}: user token: must be a non-empty string")
+    return {"Authorization": "Bearer " + token}
+
+
+def _pem(path: str, base: str, section: Mapping[str, Any], key: str) -> bytes | None:
+    """The PEM bytes of ``key-data`` (base64) or of the file ``key`` (relative to the kubeconfig)."""
+    data = section.get(key + "-data")
+    if data:
+        try:
+            return base64.b64decode(str(data), validate=True)
+        except (binascii.Error, ValueError):
+            raise KubeconfigError(f"{path}: {key}-data: not valid base64") from None
+    name = section.get(key)
+    if not name:
+        return None
+    file_path = posixpath.join(base, str(name))
+    try:
+        with open(file_path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise KubeconfigError(f"{path}: {key}: cannot read {file_path}: {exc.strerror}") from None
+
+
+@contextlib.contextmanager
+def _memfd(data: bytes) -> Iterator[str]:
+    """``data`` as a path OpenSSL can open, backed by memory only."""
+    fd = os.memfd_create("ate-devplugd-kubeconfig", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
