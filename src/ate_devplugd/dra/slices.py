@@ -1,0 +1,312 @@
+"""Publish this node's ResourceSlices and keep them published.
+
+One session = fresh credentials (the kubeconfig read again), the Node's uid, a list of the driver's
+slices on this node, then a watch from that list's resourceVersion beside a reconciler. Kubelet deletes
+the slices at its start and after a 30 s driver outage, and the garbage collector deletes them with a
+recreated Node: each deletion arrives on the watch and the reconciler writes the pool again at once.
+Any failure ends the session; the next one starts after a back-off (a broken kubeconfig is reported
+once, then retried quietly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from ate_devplugd.dra import kubeconfig, pools
+from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, node_path, slice_path
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import Pool
+
+log = logging.getLogger(__name__)
+
+#: The node authorizer learns of a new slice from its own watch: until then it forbids get, update and
+#: delete of that slice. Such a 403 is retried within this many seconds of the create.
+GRAPH_LAG = 10.0
+#: Watches are renewed this often, which also re-reads the credentials (kubelet rotates its certificate).
+WATCH_SECONDS = 600
+
+
+class SliceState(enum.Enum):
+    WAITING = "waiting"
+    PUBLISHED = "published"
+    KUBECONFIG_ERROR = "kubeconfig error"
+    API_ERROR = "API server error"
+
+
+class _Expired(Exception):
+    """The watch's resourceVersion is too old (410): list again."""
+
+
+class SlicePublisher:
+    """Keeps one ResourceSlice per pool on the API server while it runs."""
+
+    def __init__(
+        self,
+        config: DraConfig,
+        pool_list: Sequence[Pool],
+        *,
+        load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
+        backoff: tuple[float, float] = (0.5, 30.0),
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.pools = list(pool_list)
+        self._load = load_credentials
+        self._backoff = backoff
+        self._on_change = on_change
+        self.present = {pool.resource: True for pool in self.pools}
+        self.state = SliceState.WAITING
+        self.detail = ""
+        self.sharing_dropped = False
+        self.attempts = 0
+        self.client: ApiClient | None = None
+        self._wake = asyncio.Event()
+        self._node_uid = ""
+        self._slices: dict[str, dict[str, Any]] = {}
+        self._generation: dict[str, int] = {}
+        self._created: dict[str, float] = {}
+        self._deleted: set[str] = set()
+        self._deleting: set[str] = set()
+        self._resource_version = ""
+        self._shown: tuple[SliceState, str, int, bool] = (self.state, "", 0, False)
+
+    @property
+    def published_devices(self) -> int:
+        by_pool = {pools.pool_of(obj)[0]: obj for obj in self._slices.values()}
+        return sum(len(by_pool[p.name].get("spec", {}).get("devices") or []) for p in self.pools if p.name in by_pool)
+
+    def set_present(self, resource: str, present: bool) -> None:
+        """The resource's device node appeared or vanished: its pool is written again."""
+        if self.present.get(resource, present) != present:
+            self.present[resource] = present
+            self._wake.set()
+
+    def _set_state(self, state: SliceState, detail: str = "") -> None:
+        """Record the state; tell the owner when anything it shows changed (state, detail, counts)."""
+        self.state, self.detail = state, detail
+        shown = (state, detail, self.published_devices, self.sharing_dropped)
+        if shown != self._shown:
+            self._shown = shown
+            if self._on_change is not None:
+                self._on_change()
+
+    async def run(self) -> None:
+        """Sessions until cancelled, with a back-off after each failed one."""
+        delay = self._backoff[0]
+        reported = ""
+        while True:
+            self.attempts += 1
+            try:
+                await self._session()
+            except _Expired:
+                continue
+            except kubeconfig.KubeconfigError as exc:
+                message = str(exc)
+                if message != reported:  # one clear error per distinct problem, then quiet retries
+                    log.log(logging.ERROR, "dra: cannot use the kubeconfig (retrying): %s", message)
+                    reported = message
+                else:
+                    log.debug("dra: kubeconfig still unusable: %s", message)
+                self._set_state(SliceState.KUBECONFIG_ERROR, message)
+            except (ApiError, ApiUnavailable) as exc:
+                message = str(exc)
+                level = logging.DEBUG if message == reported else logging.WARNING
+                log.log(level, "dra: API server: %s (retrying in %.1f s)", message, delay)
+                reported = message
+                self._set_state(SliceState.API_ERROR, message)
+            except Exception:  # the one boundary of this supervised task: log, back off, retry
+                log.exception("dra: the slice publisher failed (retrying in %.1f s)", delay)
+                reported = ""
+                self._set_state(SliceState.API_ERROR, "internal error (see the log)")
+            else:
+                delay = self._backoff[0]
+                continue
+            await asyncio.sleep(delay)  # back-off between failed sessions, not a poll
+            delay = min(delay * 2, self._backoff[1])
+
+    async def _session(self) -> None:
+        client = ApiClient(self._load(self.config.kubeconfig))
+        self.client = client
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await self._refresh_node(client)
+            selector = f"spec.nodeName={self.config.node_name},spec.driver={self.config.driver}"
+            listing = await client.request("GET", SLICES, params={"fieldSelector": selector})
+            self._slices = {obj["metadata"]["name"]: obj for obj in listing.get("items") or []}
+            self._resource_version = str(listing.get("metadata", {}).get("resourceVersion", ""))
+            tasks = [
+                asyncio.ensure_future(self._watch(client, selector)),
+                asyncio.ensure_future(self._reconcile_forever(client)),
+            ]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+        finally:
+            try:
+                for task in tasks:
+                    task.cancel()
+                # Their outcome is known (raised above) or moot (cancelled); only their end is awaited.
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                self.client = None
+                await client.close()
+
+    async def _refresh_node(self, client: ApiClient) -> None:
+        node = await client.request("GET", node_path(self.config.node_name))
+        self._node_uid = str(node.get("metadata", {}).get("uid", ""))
+
+    async def _watch(self, client: ApiClient, selector: str) -> None:
+        while True:
+            params = {
+                "fieldSelector": selector,
+                "resourceVersion": self._resource_version,
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": str(WATCH_SECONDS),
+            }
+            async for event in client.watch(SLICES, params):
+                self._on_event(event)
+            # A watch the server ended in time: renew it, with credentials read again.
+            raise _Expired
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        meta = obj.get("metadata", {})
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Expired
+            raise ApiUnavailable(f"watch: {obj.get('code')} {obj.get('reason', '')}: {obj.get('message', '')}")
+        self._resource_version = str(meta.get("resourceVersion", self._resource_version))
+        if kind in ("ADDED", "MODIFIED"):
+            self._slices[meta["name"]] = obj
+            self._wake.set()
+        elif kind == "DELETED":
+            self._slices.pop(meta.get("name", ""), None)
+            if meta.get("name") not in self._deleting:
+                self._deleted.add(pools.pool_of(obj)[0])
+            self._wake.set()
+
+    async def _reconcile_forever(self, client: ApiClient) -> None:
+        while True:
+            self._wake.clear()
+            await self._reconcile(client)
+            self._set_state(SliceState.PUBLISHED, "")
+            await self._wake.wait()
+
+    async def _reconcile(self, client: ApiClient) -> None:
+        """Make the stored slices say what the pools say: create, update, delete as needed."""
+        by_pool: dict[str, list[dict[str, Any]]] = {}
+        for obj in list(self._slices.values()):
+            by_pool.setdefault(pools.pool_of(obj)[0], []).append(obj)
+        for pool in self.pools:
+            have = sorted(by_pool.pop(pool.name, []), key=lambda o: -pools.pool_of(o)[1])
+            present = self.present[pool.resource]
+            for extra in have[1:]:
+                await self._delete(client, extra)
+            if not have:
+                await self._create(client, pool, present)
+                continue
+            obj = have[0]
+            self._generation[pool.name] = max(self._generation.get(pool.name, 0), pools.pool_of(obj)[1])
+            if not pools.slice_matches(
+                obj, self.config, pool, present, self._node_uid, ignore_sharing=self.sharing_dropped
+            ):
+                await self._update(client, pool, obj, present)
+        for stale in by_pool.values():  # pools we no longer serve
+            for obj in stale:
+                await self._delete(client, obj)
+
+    def _next_generation(self, pool: Pool) -> int:
+        self._generation[pool.name] = self._generation.get(pool.name, 0) + 1
+        return self._generation[pool.name]
+
+    async def _create(self, client: ApiClient, pool: Pool, present: bool) -> None:
+        republish = pool.name in self._deleted
+        await self._refresh_node(client)  # a recreated Node has a new uid
+        body = pools.new_slice(self.config, pool, self._next_generation(pool), present, self._node_uid)
+        stored = await client.request("POST", SLICES, body)
+        name = stored["metadata"]["name"]
+        self._created[name] = time.monotonic()
+        self._slices[name] = stored
+        self._deleted.discard(pool.name)
+        self._check_stored(pool, stored)
+        event = "dra-slice-republished" if republish else "dra-slice-published"
+        what = "published again after it was deleted" if republish else "published"
+        _event(event, pool, "dra: slice %s for pool %s %s (%d devices)", name, pool.name, what, _count(stored))
+
+    async def _update(self, client: ApiClient, pool: Pool, obj: dict[str, Any], present: bool) -> None:
+        name = obj["metadata"]["name"]
+        body = dict(obj)
+        body["metadata"] = {
+            **obj["metadata"],
+            "ownerReferences": pools.new_slice(self.config, pool, 0, present, self._node_uid)["metadata"][
+                "ownerReferences"
+            ],
+        }
+        body["spec"] = pools.slice_spec(self.config, pool, self._next_generation(pool), present)
+        stored = await self._retry_forbidden(name, lambda: client.request("PUT", slice_path(name), body))
+        self._slices[name] = stored
+        self._check_stored(pool, stored)
+        _event(
+            "dra-slice-published",
+            pool,
+            "dra: slice %s for pool %s updated (%d devices)",
+            name,
+            pool.name,
+            _count(stored),
+        )
+
+    async def _delete(self, client: ApiClient, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        self._deleting.add(name)
+        try:
+            await self._retry_forbidden(name, lambda: client.request("DELETE", slice_path(name)))
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        finally:
+            self._deleting.discard(name)
+        self._slices.pop(name, None)
+        log.info("dra: deleted slice %s (pool %s)", name, pools.pool_of(obj)[0])
+
+    async def _retry_forbidden(self, name: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """``call``, retrying a 403 that follows our own create of ``name`` (the authorizer lags)."""
+        delay = 0.02
+        while True:
+            try:
+                return await call()
+            except ApiError as exc:
+                created = self._created.get(name)
+                if exc.status != 403 or created is None or time.monotonic() - created > GRAPH_LAG:
+                    raise
+                log.debug("dra: slice %s not yet known to the node authorizer; retrying in %.2f s", name, delay)
+            await asyncio.sleep(delay)  # back-off for the authorizer's graph, not a poll
+            delay = min(delay * 2, 0.5)
+
+    def _check_stored(self, pool: Pool, stored: dict[str, Any]) -> None:
+        """Read back what the apiserver stored: a shared device it made exclusive means the gate is off."""
+        if not pool.shared or not self.present[pool.resource]:
+            return
+        if pools.sharing_dropped(stored):
+            if not self.sharing_dropped:
+                log.error(
+                    "dra: the API server dropped allowMultipleAllocations from pool %s: its device is exclusive, "
+                    'one pod at a time; enable the %s feature gate or use sharing = "units"',
+                    pool.name,
+                    pools.CONSUMABLE_CAPACITY_GATE,
+                    extra={"ATE_EVENT": "dra-sharing-dropped", "ATE_RESOURCE": pool.resource},
+                )
+            self.sharing_dropped = True
+
+
+def _count(obj: dict[str, Any]) -> int:
+    return len(obj.get("spec", {}).get("devices") or [])
+
+
+def _event(name: str, pool: Pool, msg: str, *args: object) -> None:
+    log.info(msg, *args, extra={"ATE_EVENT": name, "ATE_RESOURCE": pool.resource})
