@@ -1,0 +1,197 @@
+"""DraDriver: DRA mode's entry point for the daemon.
+
+The daemon, in this order: writes the CDI spec of each resource (its CDI device IDs are inputs here),
+builds a DraDriver, awaits ``start()`` (DRAPlugin on dra.sock, then the registration socket, then the
+slice publisher), calls ``set_health()`` whenever a device node vanishes or returns, shows ``status()``
+in STATUS=, and awaits ``stop()`` on the way out (both sockets removed, the publisher cancelled; the
+slices stay, as kubelet removes them itself after 30 s without a driver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from ate_devplugd._pb.dra.v1 import api_pb2_grpc as v1_grpc
+from ate_devplugd._pb.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from ate_devplugd.dra import kubeconfig
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import DraResource, build_pools
+from ate_devplugd.dra.prepare import Preparer
+from ate_devplugd.dra.service import (
+    DraPluginV1,
+    DraPluginV1beta1,
+    HealthServicer,
+    RegistrationServicer,
+    UnixServer,
+)
+from ate_devplugd.dra.slices import SlicePublisher, SliceState
+
+log = logging.getLogger(__name__)
+
+
+class DraSetupError(Exception):
+    """The resources cannot be published through DRA; one line per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class KubeletState(enum.Enum):
+    STOPPED = "stopped"
+    WAITING = "waiting for kubelet"
+    REGISTERED = "registered with kubelet"
+    REFUSED = "kubelet refused the registration"
+
+
+@dataclass(frozen=True)
+class DraStatus:
+    """DRA mode's state for STATUS=: enums and counts; ``detail`` only says why."""
+
+    kubelet: KubeletState
+    slices: SliceState
+    devices: int
+    sharing_dropped: bool = False
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.slices is SliceState.PUBLISHED:
+            noun = "slice" if self.devices else "slice published"
+            slices = f"slice published ({self.devices} devices)" if self.devices else f"{noun} (no device present)"
+        else:
+            slices = f"slices {self.slices.value}"
+            if self.detail:
+                slices += f": {self.detail}"
+        text = f"dra: {self.kubelet.value}, {slices}"
+        if self.sharing_dropped:
+            text += ", shared device made exclusive by the API server (DRAConsumableCapacity off)"
+        return text
+
+
+class DraDriver:
+    """Serves kubelet's DRA plugin API and publishes this node's ResourceSlices."""
+
+    def __init__(
+        self,
+        config: DraConfig,
+        resources: Sequence[DraResource],
+        *,
+        load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
+        backoff: tuple[float, float] = (0.5, 30.0),
+        on_status: Callable[[DraStatus], None] | None = None,
+    ) -> None:
+        pools, errors = build_pools(config, resources)
+        if errors:
+            raise DraSetupError(errors)
+        self.config = config
+        self.pools = pools
+        self._on_status = on_status
+        self.kubelet = KubeletState.STOPPED
+        self._kubelet_detail = ""
+        self.publisher = SlicePublisher(
+            config, pools, load_credentials=load_credentials, backoff=backoff, on_change=self._notify
+        )
+        self._closing = asyncio.Event()
+        self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False), self._closing)
+        self.preparer = Preparer(config.driver, pools, lambda: self.publisher.client, self.publisher.present)
+        self._plugin = UnixServer(config.plugin_socket, self._add_plugin_services)
+        self._registration = UnixServer(config.registration_socket, self._add_registration_service)
+        self._publisher_task: asyncio.Task[None] | None = None
+
+    def _add_plugin_services(self, server: grpc.aio.Server) -> None:
+        v1_grpc.add_DRAPluginServicer_to_server(DraPluginV1(self.preparer), server)
+        v1beta1_grpc.add_DRAPluginServicer_to_server(DraPluginV1beta1(self.preparer), server)
+        health_grpc.add_DRAResourceHealthServicer_to_server(self.health, server)
+
+    def _add_registration_service(self, server: grpc.aio.Server) -> None:
+        servicer = RegistrationServicer(self.config.driver, self.config.plugin_socket, self._registration_status)
+        reg_grpc.add_RegistrationServicer_to_server(servicer, server)
+
+    async def start(self) -> None:
+        """Serve dra.sock, then the registration socket (kubelet may call at once), then publish."""
+        self._closing.clear()
+        try:
+            await self._plugin.start()
+            await self._registration.start()
+        except BaseException:
+            await self._registration.stop(None)
+            await self._plugin.stop(None)
+            raise
+        self.kubelet = KubeletState.WAITING
+        log.info(
+            "dra: serving %s; registration socket %s",
+            self.config.plugin_socket,
+            self.config.registration_socket,
+            extra={"ATE_EVENT": "dra-serving"},
+        )
+        self._publisher_task = asyncio.ensure_future(self.publisher.run())
+        self._notify()
+
+    def set_health(self, resource: str, healthy: bool) -> None:
+        """The daemon saw ``resource``'s device node vanish (False) or return (True).
+
+        The pool's slice is written again without its devices (or with them), so the scheduler places
+        no new claim on an absent device; prepared claims are left alone. kubelet's health stream (if
+        open) hears it at once.
+        """
+        if resource not in self.publisher.present:
+            raise KeyError(resource)
+        if self.publisher.present[resource] == healthy:
+            return
+        log.info(
+            "dra: %s %s: its devices are %s",
+            resource,
+            "is back" if healthy else "vanished",
+            "published again" if healthy else "withdrawn from its slice",
+            extra={"ATE_EVENT": "dra-device-healthy" if healthy else "dra-device-unhealthy", "ATE_RESOURCE": resource},
+        )
+        self.publisher.set_present(resource, healthy)
+        self.health.changed()
+        self._notify()
+
+    def status(self) -> DraStatus:
+        pub = self.publisher
+        detail = self._kubelet_detail if self.kubelet is KubeletState.REFUSED else pub.detail
+        return DraStatus(self.kubelet, pub.state, pub.published_devices, pub.sharing_dropped, detail)
+
+    async def stop(self) -> None:
+        """Stop the publisher and both servers; the sockets are gone when this returns."""
+        self._closing.set()
+        task, self._publisher_task = self._publisher_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._registration.stop()
+        await self._plugin.stop()
+        self.kubelet = KubeletState.STOPPED
+        self._notify()
+
+    def _registration_status(self, registered: bool, error: str) -> None:
+        if registered:
+            self.kubelet = KubeletState.REGISTERED
+            self._kubelet_detail = ""
+            log.info("dra: registered with kubelet as %s", self.config.driver, extra={"ATE_EVENT": "dra-registered"})
+        else:
+            self.kubelet = KubeletState.REFUSED
+            self._kubelet_detail = error
+            log.error(
+                "dra: kubelet refused the registration of %s: %s",
+                self.config.driver,
+                error,
+                extra={"ATE_EVENT": "dra-register-failed"},
+            )
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._on_status is not None:
+            self._on_status(self.status())

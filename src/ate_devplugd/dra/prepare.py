@@ -1,0 +1,127 @@
+"""NodePrepareResources and NodeUnprepareResources, apart from gRPC.
+
+Prepare GETs each claim, checks it is the one kubelet means (same uid) and allocated, and answers one
+device per allocation result of this driver, with the resource's CDI device. Nothing is kept: prepare
+may come again after a kubelet restart, and unprepare has nothing to undo, so both are idempotent. One
+lock serialises them, as kubelet expects of a driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
+from ate_devplugd.dra.pools import Pool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    uid: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    request_names: tuple[str, ...]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = field(default=())
+    error: str = ""
+
+
+class ClaimError(Exception):
+    """This one claim cannot be prepared; kubelet is told why and asks again later."""
+
+
+class Preparer:
+    """Prepares claims against the current pools; ``present`` tells which resources' devices exist."""
+
+    def __init__(
+        self,
+        driver: str,
+        pool_list: Sequence[Pool],
+        client: Callable[[], ApiClient | None],
+        present: Mapping[str, bool],
+    ) -> None:
+        self._driver = driver
+        self._pools = {pool.name: pool for pool in pool_list}
+        self._client = client
+        self._present = present
+        self._lock = asyncio.Lock()
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        async with self._lock:
+            results = await asyncio.gather(*(self._prepare_one(claim) for claim in claims))
+        return {claim.uid: result for claim, result in zip(claims, results, strict=True)}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        """Nothing was set up per claim (the CDI spec is per resource): every claim succeeds."""
+        async with self._lock:
+            for claim in claims:
+                log.debug("dra: unprepared claim %s (uid %s)", claim, claim.uid)
+            return {claim.uid: "" for claim in claims}
+
+    async def _prepare_one(self, claim: ClaimRef) -> PrepareResult:
+        try:
+            devices = tuple(await self._devices(claim))
+        except ClaimError as exc:
+            log.warning("dra: cannot prepare claim %s: %s", claim, exc, extra={"ATE_EVENT": "dra-prepare"})
+            return PrepareResult(error=f"claim {claim}: {exc}")
+        names = ", ".join(f"{d.pool_name}/{d.device_name}" for d in devices) or "no device of this driver"
+        log.info("dra: prepared claim %s: %s", claim, names, extra={"ATE_EVENT": "dra-prepare"})
+        return PrepareResult(devices=devices)
+
+    async def _devices(self, claim: ClaimRef) -> list[PreparedDevice]:
+        client = self._client()
+        if client is None:
+            raise ClaimError("the API server is not reachable yet")
+        try:
+            obj = await client.request("GET", claim_path(claim.namespace, claim.name))
+        except ApiError as exc:
+            if exc.status == 404:
+                raise ClaimError("not found") from None
+            raise ClaimError(f"cannot read it: {exc}") from None
+        except ApiUnavailable as exc:
+            raise ClaimError(f"cannot read it: {exc}") from None
+        uid = obj.get("metadata", {}).get("uid")
+        if uid != claim.uid:
+            raise ClaimError(f"its uid is {uid!r}, not {claim.uid!r} (deleted and created again?)")
+        allocation = (obj.get("status") or {}).get("allocation")
+        if not allocation:
+            raise ClaimError("not allocated")
+        results = (allocation.get("devices") or {}).get("results") or []
+        return [self._device(result) for result in results if result.get("driver") == self._driver]
+
+    def _device(self, result: dict[str, Any]) -> PreparedDevice:
+        pool = self._pools.get(str(result.get("pool", "")))
+        device = str(result.get("device", ""))
+        if pool is None:
+            raise ClaimError(f"pool {result.get('pool')!r} is not served on this node")
+        if device not in pool.devices:
+            raise ClaimError(f"device {device!r} is not in pool {pool.name}")
+        if not self._present.get(pool.resource, False):
+            raise ClaimError(f"the device of {pool.resource} is absent on this node")
+        share_id = result.get("shareID")
+        return PreparedDevice(
+            request_names=(str(result.get("request", "")),),
+            pool_name=pool.name,
+            device_name=device,
+            cdi_device_ids=(pool.cdi_id,),
+            share_id=str(share_id) if share_id else None,
+        )
