@@ -1,0 +1,334 @@
+"""A fake Kubernetes API server for DRA mode: ResourceSlices, ResourceClaims and Nodes, over HTTP(S).
+
+It behaves as the real one does toward a node's DRA driver (sources in shared/reference/dra-contract.md):
+- resourceslices: create (generateName, metadata.generation 1), get, update (resourceVersion must match:
+  409; generation bumped on a spec change), delete; list and watch with field selectors
+  ``spec.nodeName``/``spec.driver`` and resourceVersion, events as JSON lines on a chunked response,
+  BOOKMARK on request, ERROR 410 for a compacted resourceVersion, the watch ended after timeoutSeconds;
+- the node authorizer and NodeRestriction (§6): list/watch need ``spec.nodeName=<node>``, create needs
+  ``spec.nodeName`` to be the node; ``forbid_after_create = N`` answers 403 to the next N get, update or
+  delete of a slice just created (the authorizer's graph lags behind its own watch);
+- ``consumable_capacity = False``: the DRAConsumableCapacity gate is off and ``allowMultipleAllocations``
+  is dropped silently (§4b);
+- ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2);
+  ``recreate_node()``: a new Node uid, and the garbage collector deletes slices owned by the old one;
+- objects sent are validated as the apiserver would (422 Invalid), and, where the ``kubernetes`` PyPI
+  client is installed (the venv), against its v1 models: a field the real API does not know fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import json
+import re
+import ssl
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from tests.fakes.apivalidation import Problem, field_value, parse_selector, status, validate_slice
+from tests.fakes.certs import Pki
+
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+@dataclass
+class _Watcher:
+    selector: dict[str, str]
+    bookmarks: bool
+    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
+
+
+class FakeApiServer:
+    def __init__(self, node_name: str = "node-1", *, token: str | None = None, pki: Pki | None = None) -> None:
+        self.node_name = node_name
+        self.token = token
+        self.pki = pki
+        self.consumable_capacity = True
+        self.forbid_after_create = 0
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.changes: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self.requests: list[str] = []
+        self.forbidden_answers = 0
+        self._rv = itertools.count(100)
+        self._history: list[tuple[int, str, dict[str, Any]]] = []
+        self._compacted = 0
+        self._forbidden: dict[str, int] = {}
+        self._watchers: list[_Watcher] = []
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.add_node(node_name)
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def add_node(self, name: str) -> dict[str, Any]:
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": str(uuid.uuid4())}}
+        self.nodes[name] = node
+        return node
+
+    def add_claim(self, namespace: str, name: str, results: list[dict[str, Any]] | None) -> str:
+        """A claim; ``results`` None means not allocated. Returns its uid."""
+        uid = str(uuid.uuid4())
+        claim: dict[str, Any] = {"metadata": {"namespace": namespace, "name": name, "uid": uid}, "status": {}}
+        if results is not None:
+            claim["status"]["allocation"] = {"devices": {"results": results}}
+        self.claims[(namespace, name)] = claim
+        return uid
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        tls = None
+        if self.pki is not None:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(self.pki.ca))
+            tls.load_cert_chain(str(self.pki.server_cert), str(self.pki.server_key))
+            tls.verify_mode = ssl.CERT_REQUIRED
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=tls)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        for watcher in self._watchers:
+            watcher.queue.put_nowait(None)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- what kubelet, the garbage collector and etcd do ------------------------------------------------
+    def kubelet_restarted(self) -> list[str]:
+        """Kubelet's start: delete every ResourceSlice of this node, whatever its driver."""
+        names = [n for n, s in self.slices.items() if s["spec"].get("nodeName") == self.node_name]
+        for name in names:
+            self._delete(name)
+        return names
+
+    def recreate_node(self) -> None:
+        old = self.nodes[self.node_name]["metadata"]["uid"]
+        self.add_node(self.node_name)
+        for name, obj in list(self.slices.items()):
+            if any(o.get("uid") == old for o in obj["metadata"].get("ownerReferences") or []):
+                self._delete(name)
+
+    def compact(self) -> None:
+        """etcd compaction: a watch from an older resourceVersion gets ERROR 410."""
+        self._compacted = self._history[-1][0] if self._history else 0
+
+    def end_watches(self) -> None:
+        """End every open watch, as the apiserver does after timeoutSeconds or on restart."""
+        for watcher in self._watchers:
+            watcher.queue.put_nowait(None)
+
+    def bookmark(self) -> None:
+        rv = str(next(self._rv))
+        for watcher in self._watchers:
+            if watcher.bookmarks:
+                watcher.queue.put_nowait(
+                    {
+                        "type": "BOOKMARK",
+                        "object": {
+                            "kind": "ResourceSlice",
+                            "apiVersion": "resource.k8s.io/v1",
+                            "metadata": {"resourceVersion": rv},
+                        },
+                    }
+                )
+
+    def node_slices(self) -> list[dict[str, Any]]:
+        return [s for s in self.slices.values() if s["spec"].get("nodeName") == self.node_name]
+
+    async def next_change(self, *kinds: str, timeout: float = 5.0) -> tuple[str, dict[str, Any]]:
+        async with asyncio.timeout(timeout):
+            while True:
+                kind, obj = await self.changes.get()
+                if not kinds or kind in kinds:
+                    return kind, obj
+
+    # -- storage ------------------------------------------------------------------------------------
+    def _record(self, kind: str, obj: dict[str, Any]) -> None:
+        rv = next(self._rv)
+        obj["metadata"]["resourceVersion"] = str(rv)
+        snapshot = copy.deepcopy(obj)
+        self._history.append((rv, kind, snapshot))
+        self.changes.put_nowait((kind, snapshot))
+        for watcher in self._watchers:
+            if self._selected(snapshot, watcher.selector):
+                watcher.queue.put_nowait({"type": kind, "object": snapshot})
+
+    def _delete(self, name: str) -> dict[str, Any]:
+        obj = self.slices.pop(name)
+        self._forbidden.pop(name, None)
+        self._record("DELETED", obj)
+        return obj
+
+    @staticmethod
+    def _selected(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+        return all(field_value(obj, key) == value for key, value in selector.items())
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(f"{request.method} {request.path_qs}")
+        try:
+            return await self._route(request)
+        except Problem as p:
+            if p.code == 403:
+                self.forbidden_answers += 1
+            return web.json_response(status(p.code, p.reason, p.message), status=p.code)
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911 - one return per route
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            raise Problem(401, "Unauthorized", "Unauthorized")
+        path, method = request.path, request.method
+        if m := re.fullmatch(r"/api/v1/nodes/([^/]+)", path):
+            if m[1] != self.node_name:
+                raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot read '{m[1]}'")
+            return web.json_response(self._get(self.nodes, m[1], "nodes"))
+        if m := re.fullmatch(r"/apis/resource.k8s.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)", path):
+            return web.json_response(self._get(self.claims, (m[1], m[2]), "resourceclaims.resource.k8s.io"))
+        if path == SLICES and method == "POST":
+            return web.json_response(self._create(await self._body(request)), status=201)
+        if path == SLICES and method == "GET":
+            selector = self._selector(request.query.get("fieldSelector", ""))
+            if request.query.get("watch") in ("1", "true"):
+                return await self._watch(request, selector)
+            items = [copy.deepcopy(s) for s in self.slices.values() if self._selected(s, selector)]
+            rv = str(self._history[-1][0]) if self._history else "1"
+            return web.json_response(
+                {
+                    "kind": "ResourceSliceList",
+                    "apiVersion": "resource.k8s.io/v1",
+                    "metadata": {"resourceVersion": rv},
+                    "items": items,
+                }
+            )
+        if m := re.fullmatch(SLICES + r"/([^/]+)", path):
+            name = m[1]
+            if self._forbidden.get(name, 0) > 0:
+                self._forbidden[name] -= 1
+                raise Problem(
+                    403,
+                    "Forbidden",
+                    f"node '{self.node_name}' cannot {method} resourceslice {name}: "
+                    "no relationship to this object was found in the node authorizer graph",
+                )
+            if method == "GET":
+                return web.json_response(self._get(self.slices, name, "resourceslices.resource.k8s.io"))
+            if method == "PUT":
+                return web.json_response(self._update(name, await self._body(request)))
+            if method == "DELETE":
+                self._get(self.slices, name, "resourceslices.resource.k8s.io")
+                return web.json_response(self._delete(name))
+        raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
+
+    @staticmethod
+    def _get(store: dict[Any, dict[str, Any]], key: Any, what: str) -> dict[str, Any]:
+        if key not in store:
+            name = key[1] if isinstance(key, tuple) else key
+            raise Problem(404, "NotFound", f'{what} "{name}" not found')
+        return copy.deepcopy(store[key])
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            raise Problem(400, "BadRequest", "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise Problem(400, "BadRequest", "the body is not an object")
+        return body
+
+    def _selector(self, text: str) -> dict[str, str]:
+        selector = parse_selector(text)
+        if selector.get("spec.nodeName") != self.node_name:  # the node authorizer (AuthorizeNodeWithSelectors)
+            raise Problem(
+                403, "Forbidden", "can only list/watch/deletecollection resourceslices with nodeName field selector"
+            )
+        return selector
+
+    def _create(self, body: dict[str, Any]) -> dict[str, Any]:
+        obj = self._admit(body, None)
+        meta = obj["metadata"]
+        if not meta.get("name"):
+            if not meta.get("generateName"):
+                raise Problem(422, "Invalid", "metadata.name: Required value: name or generateName is required")
+            meta["name"] = meta["generateName"][:58] + uuid.uuid4().hex[:5]
+        if meta["name"] in self.slices:
+            raise Problem(409, "AlreadyExists", f'resourceslices.resource.k8s.io "{meta["name"]}" already exists')
+        meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp="2026-01-01T00:00:00Z")
+        self.slices[meta["name"]] = obj
+        if self.forbid_after_create:
+            self._forbidden[meta["name"]] = self.forbid_after_create
+        self._record("ADDED", obj)
+        return copy.deepcopy(obj)
+
+    def _update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
+        obj = self._admit(body, old)
+        if obj["metadata"].get("resourceVersion") != old["metadata"]["resourceVersion"]:
+            raise Problem(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on resourceslices.resource.k8s.io "{name}": '
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
+        for key in ("uid", "creationTimestamp", "name"):
+            obj["metadata"][key] = old["metadata"][key]
+        changed = obj["spec"] != old["spec"]
+        obj["metadata"]["generation"] = old["metadata"]["generation"] + (1 if changed else 0)
+        self.slices[name] = obj
+        self._record("MODIFIED", obj)
+        return copy.deepcopy(obj)
+
+    def _admit(self, body: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        """Validation, NodeRestriction and the dropping of fields whose feature gate is off."""
+        errors = validate_slice(body, old)
+        if errors:
+            raise Problem(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(errors))
+        if body["spec"].get("nodeName") != self.node_name:
+            raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot create a ResourceSlice of another node")
+        obj = copy.deepcopy(body)
+        if not self.consumable_capacity:
+            for device in obj["spec"].get("devices") or []:
+                device.pop("allowMultipleAllocations", None)
+        return obj
+
+    async def _watch(self, request: web.Request, selector: dict[str, str]) -> web.StreamResponse:
+        watcher = _Watcher(selector, request.query.get("allowWatchBookmarks") == "true")
+        since = request.query.get("resourceVersion", "")
+        if since not in ("", "0") and int(since) < self._compacted:
+            watcher.queue.put_nowait(
+                {"type": "ERROR", "object": status(410, "Expired", f"too old resource version: {since}")}
+            )
+            watcher.queue.put_nowait(None)
+        elif since in ("", "0"):
+            for obj in self.slices.values():
+                if self._selected(obj, selector):
+                    watcher.queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(obj)})
+        else:
+            for rv, kind, obj in self._history:
+                if rv > int(since) and self._selected(obj, selector):
+                    watcher.queue.put_nowait({"type": kind, "object": obj})
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        self._watchers.append(watcher)
+        timeout = float(request.query.get("timeoutSeconds", "1800"))
+        try:
+            async with asyncio.timeout(timeout):
+                while (event := await watcher.queue.get()) is not None:
+                    await response.write(json.dumps(event).encode() + b"\n")
+        except TimeoutError:
+            pass
+        finally:
+            self._watchers.remove(watcher)
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response

@@ -1,0 +1,214 @@
+"""A fake kubelet toward a DRA driver: its plugin watcher, registration handler and DRA manager calls.
+
+It behaves as kubelet 1.36 does (shared/reference/dra-contract.md §1, §2):
+- the plugin watcher watches ``<kubelet_dir>/plugins_registry`` (inotify, installed before the initial
+  walk), ignores dot-names and anything that is not a socket, and removes the registration of a socket
+  that goes away;
+- registration: dial (10 s), GetInfo with kubelet's **1 s** deadline, check the type is ``DRAPlugin``,
+  take the first supported version it knows (``known_versions``; kubelet 1.32 knows only
+  ``v1beta1.DRAPlugin``), then NotifyRegistrationStatus (5 s) with the outcome;
+- prepare/unprepare through the chosen version on the returned endpoint, 45 s per call, and the
+  v1alpha1 health stream (``watch_health``).
+
+Tests read ``events`` (an asyncio.Queue) with timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ate_devplugd._pb.dra.v1 import api_pb2 as v1_pb2
+from ate_devplugd._pb.dra.v1 import api_pb2_grpc as v1_grpc
+from ate_devplugd._pb.dra.v1beta1 import api_pb2 as v1beta1_pb2
+from ate_devplugd._pb.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
+from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
+from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from ate_devplugd.inotify import DirEvent, DirWatcher
+
+DIAL_TIMEOUT = 10.0
+GET_INFO_TIMEOUT = 1.0
+NOTIFY_TIMEOUT = 5.0
+CALL_TIMEOUT = 45.0
+_VERSIONS: dict[str, tuple[Any, Any]] = {
+    "v1.DRAPlugin": (v1_pb2, v1_grpc),
+    "v1beta1.DRAPlugin": (v1beta1_pb2, v1beta1_grpc),
+}
+
+
+@dataclass
+class Event:
+    kind: str
+    name: str = ""
+    detail: str = ""
+
+
+@dataclass
+class Plugin:
+    driver: str
+    endpoint: str
+    version: str
+    socket: str
+    channel: grpc.aio.Channel
+    pb: Any = None
+    stub: Any = None
+    health: asyncio.Queue[health_pb2.NodeWatchResourcesResponse] = field(default_factory=asyncio.Queue)
+
+
+class FakeDraKubelet:
+    def __init__(self, kubelet_dir: Path, known_versions: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")):
+        self.registry = kubelet_dir / "plugins_registry"
+        self.known_versions = known_versions
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.plugins: dict[str, Plugin] = {}
+        self._watch: DirWatcher | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    async def start(self) -> None:
+        self.registry.mkdir(parents=True, exist_ok=True)
+        self._watch = DirWatcher(str(self.registry), self._on_dir_events)
+        self._watch.start()  # the watch first, then the walk: no socket is missed in between
+        for entry in sorted(os.listdir(self.registry)):
+            self._spawn(self._consider(entry))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for plugin in list(self.plugins.values()):
+            await plugin.channel.close()
+        self.plugins.clear()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_dir_events(self, events: list[DirEvent]) -> None:
+        for event in events:
+            if event.kind == "created":
+                self._spawn(self._consider(event.name))
+            elif event.kind == "removed":
+                self._spawn(self._deregister(event.name))
+
+    async def _consider(self, name: str) -> None:
+        path = self.registry / name
+        if name.startswith("."):
+            self.events.put_nowait(Event("ignored", name, "dot-name"))
+            return
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            self.events.put_nowait(Event("ignored", name, "not a socket"))
+            return
+        await self._register(path)
+
+    async def _register(self, path: Path) -> None:
+        channel = grpc.aio.insecure_channel("unix://" + str(path))
+        stub = reg_grpc.RegistrationStub(channel)
+        try:
+            async with asyncio.timeout(DIAL_TIMEOUT):
+                await channel.channel_ready()
+            info = await stub.GetInfo(reg_pb2.InfoRequest(), timeout=GET_INFO_TIMEOUT)
+            error = self._validate(info)
+            await stub.NotifyRegistrationStatus(
+                reg_pb2.RegistrationStatus(plugin_registered=not error, error=error), timeout=NOTIFY_TIMEOUT
+            )
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            self.events.put_nowait(Event("register-failed", path.name, str(exc)))
+            return
+        finally:
+            await channel.close()
+        if error:
+            self.events.put_nowait(Event("register-refused", info.name, error))
+            return
+        version = next(v for v in info.supported_versions if v in self.known_versions)
+        pb, grpc_module = _VERSIONS[version]
+        endpoint = info.endpoint or str(path)
+        plugin_channel = grpc.aio.insecure_channel("unix://" + endpoint)
+        plugin = Plugin(
+            info.name, endpoint, version, path.name, plugin_channel, pb, grpc_module.DRAPluginStub(plugin_channel)
+        )
+        old = self.plugins.pop(info.name, None)
+        if old is not None:
+            await old.channel.close()
+        self.plugins[info.name] = plugin
+        self.events.put_nowait(Event("registered", info.name, version))
+
+    def _validate(self, info: reg_pb2.PluginInfo) -> str:
+        if info.type != "DRAPlugin":
+            return f"unknown plugin type {info.type!r}"
+        if not info.name:
+            return "empty driver name"
+        if not any(v in self.known_versions for v in info.supported_versions):
+            return f"none of the versions {list(info.supported_versions)} is supported"
+        if info.endpoint and not os.path.isabs(info.endpoint):
+            return f"endpoint {info.endpoint!r} is not absolute"
+        return ""
+
+    async def _deregister(self, name: str) -> None:
+        for driver, plugin in list(self.plugins.items()):
+            if plugin.socket == name:
+                del self.plugins[driver]
+                await plugin.channel.close()
+                self.events.put_nowait(Event("deregistered", driver))
+
+    # -- the DRA manager's calls ------------------------------------------------------------------------
+    async def prepare(self, driver: str, *claims: tuple[str, str, str]) -> Any:
+        """NodePrepareResources for (namespace, uid, name) claims, as the chosen version."""
+        plugin = self.plugins[driver]
+        request = plugin.pb.NodePrepareResourcesRequest(
+            claims=[plugin.pb.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims]
+        )
+        return await plugin.stub.NodePrepareResources(request, timeout=CALL_TIMEOUT)
+
+    async def unprepare(self, driver: str, *claims: tuple[str, str, str]) -> Any:
+        plugin = self.plugins[driver]
+        request = plugin.pb.NodeUnprepareResourcesRequest(
+            claims=[plugin.pb.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims]
+        )
+        return await plugin.stub.NodeUnprepareResources(request, timeout=CALL_TIMEOUT)
+
+    def watch_health(self, driver: str) -> asyncio.Queue[health_pb2.NodeWatchResourcesResponse]:
+        """Open the v1alpha1 health stream; every message lands on the returned queue."""
+        plugin = self.plugins[driver]
+        stub = health_grpc.DRAResourceHealthStub(plugin.channel)
+
+        async def read() -> None:
+            call = stub.NodeWatchResources(health_pb2.NodeWatchResourcesRequest())
+            try:
+                async for response in call:
+                    plugin.health.put_nowait(response)
+                detail = "OK"
+            except grpc.aio.AioRpcError as exc:
+                detail = exc.code().name
+            except asyncio.CancelledError:
+                # grpc.aio raises CancelledError for a stream the server cancelled, too
+                call.cancel()
+                if self._stopping:
+                    raise
+                detail = "CANCELLED"
+            self.events.put_nowait(Event("health-ended", driver, detail))
+
+        self._spawn(read())
+        return plugin.health
+
+    async def next_event(self, *kinds: str, timeout: float = 5.0) -> Event:
+        async with asyncio.timeout(timeout):
+            while True:
+                event = await self.events.get()
+                if not kinds or event.kind in kinds:
+                    return event

@@ -1,0 +1,146 @@
+"""A DRA driver between a fake kubelet and a fake API server, in a short temp dir (unix socket paths
+are limited to 107 bytes, which pytest's tmp_path can exceed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from ate_devplugd.dra import kubeconfig
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.driver import DraDriver, DraStatus
+from ate_devplugd.dra.pools import DraResource
+from ate_devplugd.dra.slices import SliceState
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.certs import Pki
+from tests.fakes.dra_kubelet import FakeDraKubelet
+
+NODE = "node-1"
+TOKEN = "t0ken"
+KVM = DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")
+
+
+def write_kubeconfig(path: Path, server: str, *, token: str | None = TOKEN, pki: Pki | None = None) -> Path:
+    user: dict[str, str] = {}
+    cluster: dict[str, str] = {"server": server}
+    if token:
+        user["token"] = token
+    if pki is not None:
+        cluster["certificate-authority"] = str(pki.ca)
+        user["client-certificate"] = str(pki.client_cert)
+        user["client-key"] = str(pki.client_key)
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": cluster}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path.write_text(json.dumps(doc))  # JSON is YAML
+    return path
+
+
+class Records(logging.Handler):
+    """Log records of the dra package, kept for the test to read."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._logged = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self._logged.set()
+
+    async def wait_events(self, name: str, count: int, timeout: float = 5.0) -> list[logging.LogRecord]:
+        """The records of event ``name`` once there are ``count`` of them."""
+        async with asyncio.timeout(timeout):
+            while len(self.events(name)) < count:
+                self._logged.clear()
+                await self._logged.wait()
+        return self.events(name)
+
+    def events(self, name: str) -> list[logging.LogRecord]:
+        return [r for r in self.records if getattr(r, "ATE_EVENT", None) == name]
+
+    def at(self, level: int) -> list[logging.LogRecord]:
+        return [r for r in self.records if r.levelno == level]
+
+
+@dataclasses.dataclass
+class Rig:
+    dir: Path
+    api: FakeApiServer
+    kubelet: FakeDraKubelet
+    config: DraConfig
+    driver: DraDriver
+    statuses: asyncio.Queue[DraStatus]
+    log: Records
+
+    async def status(self, pred: Callable[[DraStatus], bool], timeout: float = 5.0) -> DraStatus:
+        """The driver's status once ``pred`` holds (checked now, then on each change)."""
+        async with asyncio.timeout(timeout):
+            current = self.driver.status()
+            while not pred(current):
+                current = await self.statuses.get()
+            return current
+
+    async def published(self) -> DraStatus:
+        return await self.status(lambda s: s.slices is SliceState.PUBLISHED)
+
+
+@contextlib.asynccontextmanager
+async def short_dir() -> AsyncIterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    *,
+    resources: tuple[DraResource, ...] = (KVM,),
+    start_kubelet: bool = True,
+    start_driver: bool = True,
+    load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
+    api_options: dict[str, Any] | None = None,
+    **dra: Any,
+) -> AsyncIterator[Rig]:
+    async with short_dir() as base:
+        api = FakeApiServer(NODE, token=TOKEN)
+        for key, value in (api_options or {}).items():
+            setattr(api, key, value)
+        await api.start()
+        kc = write_kubeconfig(base / "kubeconfig", api.url)
+        config = DraConfig(node_name=NODE, kubeconfig=str(kc), kubelet_dir=str(base / "kubelet"), **dra)
+        statuses: asyncio.Queue[DraStatus] = asyncio.Queue()
+        driver = DraDriver(
+            config, resources, load_credentials=load_credentials, backoff=(0.01, 0.2), on_status=statuses.put_nowait
+        )
+        kubelet = FakeDraKubelet(base / "kubelet")
+        records = Records()
+        logger = logging.getLogger("ate_devplugd.dra")
+        logger.addHandler(records)
+        logger.setLevel(logging.DEBUG)
+        try:
+            if start_kubelet:
+                await kubelet.start()
+            if start_driver:
+                await driver.start()
+            yield Rig(base, api, kubelet, config, driver, statuses, records)
+        finally:
+            await driver.stop()
+            await kubelet.stop()
+            await api.stop()
+            logger.removeHandler(records)
