@@ -1,0 +1,128 @@
+"""``ate-devplugd dra-manifests``: the cluster objects an administrator applies for DRA mode.
+
+- one DeviceClass per resource: a CEL selector on the driver and the device's ``resource`` attribute,
+  and ``extendedResourceName`` so that pods asking for ``ate.dev/kvm: 1`` get a claim (KEP-5004);
+- only for credentials that are not kubelet's own: a ClusterRole and its binding for the driver's
+  service account, and a ValidatingAdmissionPolicy that lets such a credential write only the
+  ResourceSlices of the node its token is bound to (node-bound service-account tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import RESOURCE_ATTRIBUTE, class_name
+
+SERVICE_ACCOUNT = ("ate-devplugd", "ate-devplugd")  # namespace, name
+_NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+
+
+def device_class(config: DraConfig, resource: str) -> dict[str, Any]:
+    expression = (
+        f'device.driver == "{config.driver}" && '
+        f'device.attributes["{config.driver}"].{RESOURCE_ATTRIBUTE} == "{resource}"'
+    )
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": class_name(resource), "labels": {"app.kubernetes.io/managed-by": "ate-devplugd"}},
+        "spec": {"selectors": [{"cel": {"expression": expression}}], "extendedResourceName": resource},
+    }
+
+
+def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE_ACCOUNT) -> list[dict[str, Any]]:
+    """RBAC and the admission policy for a service-account credential (kubelet's needs neither)."""
+    namespace, name = service_account
+    role = f"ate-devplugd:{config.driver}"
+    user = f"system:serviceaccount:{namespace}:{name}"
+    verbs_slices = ["get", "list", "watch", "create", "update", "patch", "delete"]
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": role},
+            "rules": [
+                {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+                {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": verbs_slices},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": role},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": role},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": ["resource.k8s.io"],
+                            "apiVersions": ["*"],
+                            "operations": ["CREATE", "UPDATE", "DELETE"],
+                            "resources": ["resourceslices"],
+                        }
+                    ]
+                },
+                "matchConditions": [
+                    {"name": "driver-credential", "expression": f'request.userInfo.username == "{user}"'}
+                ],
+                "variables": [
+                    {
+                        "name": "tokenNode",
+                        "expression": f"request.userInfo.extra[?'{_NODE_NAME_EXTRA}'][0].orValue('')",
+                    },
+                    {
+                        "name": "slice",
+                        "expression": 'request.operation == "DELETE" ? oldObject : object',
+                    },
+                ],
+                "validations": [
+                    {
+                        "expression": 'variables.tokenNode != ""',
+                        "message": "the credential is not bound to a node (use a node-bound service-account token)",
+                    },
+                    {
+                        "expression": 'variables.slice.spec.?nodeName.orValue("") == variables.tokenNode',
+                        "messageExpression": "'only ResourceSlices of node ' + variables.tokenNode + ' may be written'",
+                    },
+                    {
+                        "expression": f'variables.slice.spec.driver == "{config.driver}"',
+                        "message": f"only ResourceSlices of driver {config.driver} may be written",
+                    },
+                ],
+            },
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": role},
+            "spec": {"policyName": role, "validationActions": ["Deny"]},
+        },
+    ]
+
+
+def render(config: DraConfig, resources: Sequence[str], *, with_access: bool = True) -> str:
+    """The manifests as one multi-document YAML text."""
+    docs = [device_class(config, resource) for resource in resources]
+    text = "# DeviceClasses for ate-devplugd's DRA driver " + config.driver + "\n"
+    text += yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True, width=4096)
+    if with_access:
+        text += (
+            "# Only for a kubeconfig that is not kubelet's own: RBAC for the driver's service account, and an\n"
+            "# admission policy that limits a node-bound token to its own node's ResourceSlices.\n"
+        )
+        text += yaml.safe_dump_all(access_objects(config), sort_keys=False, explicit_start=True, width=4096)
+    return text

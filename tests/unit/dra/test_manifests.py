@@ -1,0 +1,63 @@
+"""ate-devplugd dra-manifests: DeviceClasses, and RBAC with an admission policy for other credentials."""
+
+from __future__ import annotations
+
+import yaml
+
+from ate_devplugd.dra import manifests
+from ate_devplugd.dra.config import DraConfig
+from tests.fakes.apivalidation import model_errors
+
+CONFIG = DraConfig(node_name="node-1")
+MODELS = {
+    "DeviceClass": "V1DeviceClass",
+    "Namespace": "V1Namespace",
+    "ServiceAccount": "V1ServiceAccount",
+    "ClusterRole": "V1ClusterRole",
+    "ClusterRoleBinding": "V1ClusterRoleBinding",
+    "ValidatingAdmissionPolicy": "V1ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding": "V1ValidatingAdmissionPolicyBinding",
+}
+
+
+def docs(text: str) -> list[dict[str, object]]:
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+class TestRender:
+    def test_device_class_per_resource(self) -> None:
+        """Each resource gets a DeviceClass selecting the driver's devices of that resource, mapped to its name."""
+        objs = docs(manifests.render(CONFIG, ["ate.dev/kvm", "ate.dev/vhost-net"], with_access=False))
+        assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [  # type: ignore[index]
+            ("DeviceClass", "kvm.ate.dev"),
+            ("DeviceClass", "vhost-net.ate.dev"),
+        ]
+        spec = objs[0]["spec"]
+        assert spec == {  # type: ignore[comparison-overlap]
+            "selectors": [
+                {
+                    "cel": {
+                        "expression": 'device.driver == "kvm.ate.dev" && '
+                        'device.attributes["kvm.ate.dev"].resource == "ate.dev/kvm"'
+                    }
+                }
+            ],
+            "extendedResourceName": "ate.dev/kvm",
+        }
+
+    def test_access_objects(self) -> None:
+        """The RBAC grants what the driver calls, and the policy binds slices to the token's node and the driver."""
+        objs = docs(manifests.render(CONFIG, ["ate.dev/kvm"]))
+        kinds = [o["kind"] for o in objs]
+        assert kinds == list(MODELS)
+        role = next(o for o in objs if o["kind"] == "ClusterRole")
+        rules = {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]}  # type: ignore[index, union-attr]
+        assert ("resourceclaims", ("get",)) in rules and ("nodes", ("get",)) in rules
+        policy = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicy")
+        text = yaml.safe_dump(policy)
+        assert "authentication.kubernetes.io/node-name" in text and "kvm.ate.dev" in text
+
+    def test_objects_are_valid_models(self) -> None:
+        """Every object decodes into the kubernetes client's model with no field lost (venv only)."""
+        for obj in docs(manifests.render(CONFIG, ["ate.dev/kvm"])):
+            assert model_errors(obj, MODELS[obj["kind"]]) == []  # type: ignore[index]
