@@ -65,8 +65,11 @@ class DraStatus:
 
     def __str__(self) -> str:
         if self.slices is SliceState.PUBLISHED:
-            noun = "slice" if self.devices else "slice published"
-            slices = f"slice published ({self.devices} devices)" if self.devices else f"{noun} (no device present)"
+            slices = (
+                f"slice published ({self.devices} device{'' if self.devices == 1 else 's'})"
+                if self.devices
+                else "slice published (no device present)"
+            )
         else:
             slices = f"slices {self.slices.value}"
             if self.detail:

@@ -1,0 +1,36 @@
+"""The DRA part of STATUS=, made from enums and counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from ate_devplugd.dra.driver import DraStatus, KubeletState
+from ate_devplugd.dra.slices import SliceState
+
+
+class TestStatus:
+    @pytest.mark.parametrize(
+        ("status", "text"),
+        [
+            (
+                DraStatus(KubeletState.REGISTERED, SliceState.PUBLISHED, 128),
+                "dra: registered with kubelet, slice published (128 devices)",
+            ),
+            (
+                DraStatus(KubeletState.WAITING, SliceState.PUBLISHED, 0),
+                "dra: waiting for kubelet, slice published (no device present)",
+            ),
+            (
+                DraStatus(KubeletState.REGISTERED, SliceState.KUBECONFIG_ERROR, 0, detail="/kc: cannot read"),
+                "dra: registered with kubelet, slices kubeconfig error: /kc: cannot read",
+            ),
+            (
+                DraStatus(KubeletState.REGISTERED, SliceState.PUBLISHED, 1, sharing_dropped=True),
+                "dra: registered with kubelet, slice published (1 device), "
+                "shared device made exclusive by the API server (DRAConsumableCapacity off)",
+            ),
+        ],
+    )
+    def test_status_line(self, status: DraStatus, text: str) -> None:
+        """The STATUS= part is built from the state enums and counts."""
+        assert str(status) == text
