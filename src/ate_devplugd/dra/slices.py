@@ -64,6 +64,7 @@ class SlicePublisher:
         self.detail = ""
         self.sharing_dropped = False
         self.attempts = 0
+        self._published = False
         self.client: ApiClient | None = None
         self._wake = asyncio.Event()
         self._node_uid = ""
@@ -101,6 +102,7 @@ class SlicePublisher:
         reported = ""
         while True:
             self.attempts += 1
+            self._published = False
             try:
                 await self._session()
             except _Expired:
@@ -109,23 +111,22 @@ class SlicePublisher:
                 message = str(exc)
                 if message != reported:  # one clear error per distinct problem, then quiet retries
                     log.log(logging.ERROR, "dra: cannot use the kubeconfig (retrying): %s", message)
-                    reported = message
                 else:
                     log.debug("dra: kubeconfig still unusable: %s", message)
+                reported = message
                 self._set_state(SliceState.KUBECONFIG_ERROR, message)
             except (ApiError, ApiUnavailable) as exc:
                 message = str(exc)
+                if self._published:  # the session worked for a while: a fresh failure, a fresh back-off
+                    delay, reported = self._backoff[0], ""
                 level = logging.DEBUG if message == reported else logging.WARNING
-                log.log(level, "dra: API server: %s (retrying in %.1f s)", message, delay)
+                log.log(level, "dra: API server: %s (retrying in %.2f s)", message, delay)
                 reported = message
                 self._set_state(SliceState.API_ERROR, message)
             except Exception:  # the one boundary of this supervised task: log, back off, retry
-                log.exception("dra: the slice publisher failed (retrying in %.1f s)", delay)
+                log.exception("dra: the slice publisher failed (retrying in %.2f s)", delay)
                 reported = ""
                 self._set_state(SliceState.API_ERROR, "internal error (see the log)")
-            else:
-                delay = self._backoff[0]
-                continue
             await asyncio.sleep(delay)  # back-off between failed sessions, not a poll
             delay = min(delay * 2, self._backoff[1])
 
@@ -195,6 +196,7 @@ class SlicePublisher:
         while True:
             self._wake.clear()
             await self._reconcile(client)
+            self._published = True
             self._set_state(SliceState.PUBLISHED, "")
             await self._wake.wait()
 
