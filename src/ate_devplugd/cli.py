@@ -30,18 +30,20 @@ commands:
   run            the daemon (the default when no command is given)
   check-config   validate the config, print the effective config; exit 78 on errors
   probe          query every plugin socket as kubelet would and print what the node offers
+  dra-manifests  print the DeviceClasses (and RBAC) an administrator applies once for DRA mode
 
 examples:
   ate-devplugd check-config --config /etc/ate-devplugd/config.toml
   ate-devplugd run --log-target console --log-level debug
   ate-devplugd probe
+  ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
              1 probe found a socket that does not answer.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
 """
 
-COMMANDS = ("run", "check-config", "probe")
+COMMANDS = ("run", "check-config", "probe", "dra-manifests")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
     add_config(probe)
     probe.add_argument("--plugin-dir", metavar="DIR", help="directory to probe (default: from the config)")
     probe.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call timeout")
+
+    manifests = sub.add_parser("dra-manifests", help="print the cluster objects DRA mode needs, as YAML")
+    add_config(manifests)
+    manifests.add_argument(
+        "--kubelet-credentials",
+        action="store_true",
+        help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses only, no RBAC or policy",
+    )
     return parser
 
 
@@ -120,7 +130,19 @@ def main(argv: list[str] | None = None) -> int:
         return os.EX_OK
     if args.command == "probe":
         return _probe(cfg, args.timeout)
+    if args.command == "dra-manifests":
+        return _dra_manifests(cfg, with_access=not args.kubelet_credentials)
     return _run(cfg, args, early)
+
+
+def _dra_manifests(cfg: configmod.Config, *, with_access: bool) -> int:
+    from ate_devplugd.dra import config as dra_config  # noqa: PLC0415 - PyYAML only for this command
+    from ate_devplugd.dra import manifests  # noqa: PLC0415
+
+    dra = cfg.dra or dra_config.from_mapping(None)[0]
+    text = manifests.render(dra, [dev.resource for dev in cfg.devices], with_access=with_access)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return os.EX_OK
 
 
 class _EarlySignals:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
+import socket
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ate_devplugd import device_config
 from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml_str
+from ate_devplugd.dra import config as dra_config
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import DraResource, build_pools
 
 DEFAULT_CONFIG_PATH = Path("/etc/ate-devplugd/config.toml")
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
@@ -50,6 +54,10 @@ class Config:
     #: The metrics file for node_exporter's textfile collector; "" turns metrics off.
     metrics_file: str = DEFAULT_METRICS_FILE
     devices: tuple[DeviceConfig, ...] = field(default=DEFAULT_DEVICES)
+    #: ``device-plugin`` (kubelet's device-plugin API) or ``dra`` (a DRA driver); never both at once.
+    mode: str = "device-plugin"
+    #: The ``[dra]`` table: read in DRA mode, and checked whenever it is given.
+    dra: DraConfig | None = None
 
     def with_overrides(
         self, *, plugin_dir: str | None = None, dev_root: str | None = None, log_level: str | None = None
@@ -112,10 +120,12 @@ def parse(text: str, source: str = "<config>", gid_of: GroupLookup = host_gid) -
     return from_mapping(data, gid_of)
 
 
-def from_mapping(data: Mapping[str, Any], gid_of: GroupLookup = host_gid) -> Config:
+def from_mapping(
+    data: Mapping[str, Any], gid_of: GroupLookup = host_gid, gethostname: Callable[[], str] = socket.gethostname
+) -> Config:
     """Validate an already-parsed mapping (the TOML document)."""
     errors: list[str] = []
-    known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "device"}
+    known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "device", "mode", "dra"}
     errors.extend(f"unknown key {key!r}" for key in data if key not in known)
     top: dict[str, Any] = {}
     for key in ("plugin_dir", "dev_root", "cdi_dir"):
@@ -125,8 +135,20 @@ def from_mapping(data: Mapping[str, Any], gid_of: GroupLookup = host_gid) -> Con
         top["log_level"] = _log_level("log_level", data["log_level"], errors)
     if "metrics_file" in data:
         top["metrics_file"] = _metrics_file(data["metrics_file"], errors)
-    if "device" in data:
-        top["devices"] = device_config.tables(data["device"], errors, gid_of)
+    mode, mode_errors = dra_config.validate_mode(data.get("mode"))
+    errors.extend(mode_errors)
+    top["mode"] = mode
+    if mode == "dra" or "dra" in data:
+        top["dra"], dra_errors = dra_config.from_mapping(data.get("dra"), gethostname)
+        errors.extend(dra_errors)
+    # DRA hands a device to a container only through a CDI spec: in DRA mode every device has one.
+    defaults = [{"resource": dev.resource, "path": dev.path} for dev in DEFAULT_DEVICES]
+    devices = data.get("device", defaults if mode == "dra" else None)
+    if devices is not None:
+        top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
+    if mode == "dra" and not errors:
+        offered = [DraResource(dev.resource, f"{dev.resource}={dev.cdi_name}") for dev in top["devices"]]
+        errors.extend(build_pools(top["dra"], offered)[1])
     if errors:
         raise ConfigError(errors)
     return Config(**top)
@@ -172,6 +194,9 @@ def render(config: Config) -> str:
         f"cdi_dir = {toml_str(config.cdi_dir)}",
         f"metrics_file = {toml_str(config.metrics_file)}",
     ]
+    lines.append(f"mode = {toml_str(config.mode)}")
     for dev in config.devices:
         lines += ["", *device_config.render(dev)]
+    if config.dra is not None:
+        lines += ["", dra_config.render(config.dra).rstrip("\n")]
     return "\n".join(lines) + "\n"

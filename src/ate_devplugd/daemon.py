@@ -11,12 +11,10 @@ lose theirs, changed ones keep theirs (their new list goes out on the open ListA
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
-import posixpath
 import signal
 from collections.abc import Callable
 
@@ -24,6 +22,7 @@ from ate_devplugd import config as configmod
 from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.devices import DeviceRegistry, Resource
+from ate_devplugd.dra.mode import DraMode
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
@@ -31,14 +30,11 @@ from ate_devplugd.lock import InstanceLock, busy_sockets, make_plugin_dir
 from ate_devplugd.logs import EventLog
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.notify import Notifier, watchdog_interval
-from ate_devplugd.session import Session
+from ate_devplugd.plugins import DevicePlugins
 from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
 
 log = logging.getLogger("ate_devplugd")
-
-#: How long start-up (and a reload) waits for each new session's first attempt before going on.
-READY_TIMEOUT = 20.0
 
 MonitorFactory = Callable[[], tuple[MonitorLike, str]]
 
@@ -68,8 +64,8 @@ class Daemon:
         self._watch = KubeletWatch(config.plugin_dir, self._metrics.kubelet_restart)
         self._udev: UdevWatcher | None = None
         self._registry: DeviceRegistry | None = None
-        self._sessions: dict[str, Session] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: Device-plugin mode's sessions, or DRA mode's driver: what serves the resources to kubelet.
+        self._mode: DevicePlugins | DraMode | None = None
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._reload_requested = False
@@ -117,7 +113,9 @@ class Daemon:
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-            await self._stop_sessions(list(self._tasks))
+            if self._mode is not None:
+                await self._mode.stop()
+            self._metrics_file.close()
             if self._udev is not None:
                 self._udev.close()
             self._watch.close()
@@ -133,14 +131,18 @@ class Daemon:
             self._metrics.add_resource(dev.resource)
         self._registry = DeviceRegistry(self.config.dev_root, kernel, self._looked)
         self._registry.apply(self.config.devices, self.config.dev_root)
-        busy = busy_sockets(self.config.plugin_dir, self.config.devices)
+        busy = busy_sockets(self.config.plugin_dir, self.config.devices) if self.config.mode != "dra" else []
         for msg in busy:
             log.error("%s; is another ate-devplugd running? Not starting", msg)
         if busy:
             return False
-        for dev in self.config.devices:
-            self._start_session(dev.resource)
-        await self._first_attempts(list(self._sessions))
+        if self.config.dra is not None and self.config.mode == "dra":
+            self._mode = DraMode(self.config.dra, self._registry, self._update_status)
+        else:
+            self._mode = DevicePlugins(
+                self.config.plugin_dir, self._registry, self._watch, self._metrics, self._update_status
+            )
+        await self._mode.start([dev.resource for dev in self.config.devices])
         self._ready = True
         self._notifier.ready(self.status_line())
         self._events.info("ready", "ready: %s", self.status_line())
@@ -167,6 +169,8 @@ class Daemon:
         self._metrics.set_device(
             resource.name, present=resource.presence.present, healthy=resource.healthy, advertised_units=units
         )
+        if isinstance(self._mode, DraMode):
+            self._mode.looked(resource)
         if event is not None:
             self._update_status()
 
@@ -201,33 +205,10 @@ class Daemon:
 
         return asyncio.get_running_loop().create_task(ping(), name="watchdog")
 
-    # -- sessions ------------------------------------------------------------------------------
-    def _start_session(self, name: str) -> None:
-        assert self._registry is not None
-        resource = self._registry.resources[name]
-        socket_path = posixpath.join(self.config.plugin_dir, resource.config.socket_name)
-        session = Session(resource, socket_path, self._watch, self._update_status, self._metrics)
-        self._sessions[name] = session
-        self._tasks[name] = asyncio.get_running_loop().create_task(session.run(), name=f"session {name}")
-
-    async def _stop_sessions(self, names: list[str]) -> None:
-        tasks = [self._tasks.pop(name) for name in names if name in self._tasks]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for name in names:
-            self._sessions.pop(name, None)
-
-    async def _first_attempts(self, names: list[str]) -> None:
-        waits = [self._sessions[name].first_attempt.wait() for name in names]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*waits), READY_TIMEOUT)
-
     # -- status ----------------------------------------------------------------------------------
     def status_line(self) -> str:
-        """STATUS=: one part per resource, in config order."""
-        return " | ".join(f"{name}: {s.describe()}" for name, s in self._sessions.items()) or "no devices"
+        """STATUS=: one part per resource in device-plugin mode, the driver's state in DRA mode."""
+        return self._mode.status_line() if self._mode is not None else "starting"
 
     def _update_status(self) -> None:
         if self._ready:
@@ -235,7 +216,7 @@ class Daemon:
 
     # -- reload ----------------------------------------------------------------------------------
     async def reload(self) -> None:
-        """Apply a re-read config: sessions for added resources, none for removed ones, changed ones kept."""
+        """Apply a re-read config: added resources served, removed ones stopped, changed ones kept serving."""
         self._notifier.reloading()
         try:
             new = self._reload_config() if self._reload_config is not None else self.config
@@ -246,9 +227,10 @@ class Daemon:
             self._notifier.ready(self.status_line())
             return
         logging.getLogger().setLevel(new.log_level.upper())
-        if new.plugin_dir != self.config.plugin_dir:
-            log.warning("plugin_dir changes only on restart; keeping %s", self.config.plugin_dir)
-            new = dataclasses.replace(new, plugin_dir=self.config.plugin_dir)
+        for key in ("plugin_dir", "mode", "dra"):
+            if getattr(new, key) != getattr(self.config, key):
+                log.warning("%s changes only on restart; keeping %s", key, getattr(self.config, key))
+                new = dataclasses.replace(new, **{key: getattr(self.config, key)})
         change = configmod.diff(self.config, new)
         added = tuple(dev for dev in new.devices if dev.resource in change.added)
         busy = busy_sockets(new.plugin_dir, added)
@@ -259,21 +241,19 @@ class Daemon:
             self._notifier.ready(self.status_line())
             return
         self.config = new
-        await self._stop_sessions(list(change.removed))
+        assert self._mode is not None and self._registry is not None
+        await self._mode.stop(change.removed)
         for name in change.removed:
             self._metrics.remove_resource(name)
         for name in change.added:
             self._metrics.add_resource(name)
         self._cdi.apply(new.cdi_dir, new.devices)
-        assert self._registry is not None
         self._registry.apply(new.devices, new.dev_root)
         self._metrics_file.enable(new.metrics_file)
         if self._udev is not None:
             self._udev.set_subsystems(self._registry.subsystems())
-        for name in change.added:
-            self._start_session(name)
-        self._sessions = {dev.resource: self._sessions[dev.resource] for dev in new.devices}
-        await self._first_attempts(list(change.added))
+        await self._mode.start(change.added)
+        self._mode.reorder([dev.resource for dev in new.devices])
         self._events.info(
             "reload",
             "reloaded: %d added, %d changed, %d removed, %d unchanged",

@@ -115,8 +115,11 @@ def max_request_bytes(dev: DeviceConfig) -> int:
     return 64 * 1024 + 4 * dev.count * (3 + longest_id)
 
 
-def tables(value: object, errors: list[str], gid_of: GroupLookup = host_gid) -> tuple[DeviceConfig, ...]:
-    """The ``[[device]]`` tables, checked; each error appended names table, key and value."""
+def tables(
+    value: object, errors: list[str], gid_of: GroupLookup = host_gid, *, cdi_required: bool = False
+) -> tuple[DeviceConfig, ...]:
+    """The ``[[device]]`` tables, checked; each error appended names table, key and value. With
+    ``cdi_required`` (DRA mode) ``cdi`` is true unless a table says otherwise, which is an error."""
     if not isinstance(value, list) or not value:
         errors.append(f"device: must be one or more [[device]] tables, not {value!r}")
         return ()
@@ -131,7 +134,9 @@ def tables(value: object, errors: list[str], gid_of: GroupLookup = host_gid) -> 
             name = table["resource"]
             # quoted when it holds control characters: an error is one line in the journal, never more
             where = f"device[{index}] ({name if name.isprintable() else repr(name)})"
-        dev = _device(where, table, errors, gid_of)
+        if cdi_required and table.get("cdi", True) is not True:
+            errors.append(f"{where}: cdi: must be true in DRA mode (DRA gives containers devices only through CDI)")
+        dev = _device(where, {**table, "cdi": True} if cdi_required else table, errors, gid_of)
         if dev is None:
             continue
         for kind, key in (("resource", dev.resource), ("path", dev.path), ("socket", dev.socket_name)):

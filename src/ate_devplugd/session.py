@@ -228,12 +228,13 @@ class Session:
 
     def _register_failed(self, exc: grpc.aio.AioRpcError) -> None:
         # kubelet.sock refusing connections is part of every kubelet start (a killed kubelet's socket
-        # stays until the new one's wipe; the new one is bound a moment before it listens): a warning
-        # only once that lasts (the tenth attempt, about 5 s), while an answer from kubelet is one at once.
+        # stays until the new one's wipe; the new one is bound a moment before it listens), and a kubelet
+        # stopping cancels the call in flight: a warning only once that lasts (the tenth attempt, about
+        # 5 s), while an error kubelet answers with (or a deadline it lets pass) is one at once.
         self._failures += 1
         self._metrics.register_failure(self.name)
-        unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
-        first = self._failures == 1 and not unavailable
+        transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        first = self._failures == 1 and not transient
         level = logging.WARNING if first or self._failures == 10 or self._failures % 100 == 0 else logging.DEBUG
         self.resource.events.log(
             level,

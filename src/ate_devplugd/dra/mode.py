@@ -1,0 +1,74 @@
+"""DRA mode in the daemon: the registry's resources published through one ``DraDriver``.
+
+It stands where device-plugin mode's sessions stand (``plugins.DevicePlugins``): the daemon starts it
+once the CDI specs are written (DRA hands devices to containers only through CDI), tells it after each
+look at a device whether the device is healthy, shows its status, and stops it. The set of resources
+and the ``[dra]`` table are read at start; a reload applies the device tables (their CDI specs) and
+says that a changed resource set takes a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ate_devplugd.cdi import qualified_name
+from ate_devplugd.devices import DeviceRegistry, Resource
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.driver import DraDriver, DraStatus
+from ate_devplugd.dra.pools import DraResource
+from ate_devplugd.logs import EventLog
+
+log = logging.getLogger("ate_devplugd")
+
+
+class DraMode:
+    """The DRA driver of this node, fed by the device registry."""
+
+    def __init__(self, config: DraConfig, registry: DeviceRegistry, on_state: Callable[[], None]) -> None:
+        self._config = config
+        self._registry = registry
+        self._on_state = on_state
+        self._driver: DraDriver | None = None
+
+    async def start(self, names: list[str] | tuple[str, ...]) -> None:
+        """At start: serve kubelet's DRA plugin API for these resources and publish them. Later: a reload."""
+        if self._driver is not None:
+            if names:
+                EventLog(log).warning(
+                    "reload",
+                    "DRA mode publishes its resources as they were at start: %s takes a restart",
+                    ", ".join(names),
+                )
+            return
+        resources = [self._registry.resources[name] for name in names]
+        offered = [DraResource(r.name, qualified_name(r.config)) for r in resources]
+        self._driver = DraDriver(self._config, offered, on_status=self._status_changed)
+        for resource in resources:
+            self.looked(resource)
+        await self._driver.start()
+
+    async def stop(self, names: list[str] | tuple[str, ...] | None = None) -> None:
+        """Stop serving (both sockets gone); a reload that removes resources takes a restart."""
+        if names is None and self._driver is not None:
+            await self._driver.stop()
+        elif names:
+            EventLog(log).warning(
+                "reload",
+                "DRA mode publishes its resources as they were at start: removing %s takes a restart",
+                ", ".join(names),
+            )
+
+    def reorder(self, names: list[str] | tuple[str, ...]) -> None:
+        """STATUS has one part for the driver: nothing to order."""
+
+    def looked(self, resource: Resource) -> None:
+        """After a look at a device: its devices withdrawn from the slice while it is unhealthy."""
+        if self._driver is not None and resource.name in self._driver.publisher.present:
+            self._driver.set_health(resource.name, resource.healthy)
+
+    def status_line(self) -> str:
+        return str(self._driver.status()) if self._driver is not None else "dra: starting"
+
+    def _status_changed(self, status: DraStatus) -> None:
+        self._on_state()

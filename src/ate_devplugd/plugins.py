@@ -1,0 +1,74 @@
+"""Device-plugin mode: one supervised ``Session`` per resource, in config order.
+
+The daemon tells the mode which resources to serve (at start, and what a reload added or removed);
+the mode starts a session task for each, waits for their first attempts, stops them, and describes
+them for STATUS. Sessions restart themselves (kubelet restarts, lost sockets); a stopped session's
+socket is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+from collections.abc import Callable
+
+from ate_devplugd.devices import DeviceRegistry
+from ate_devplugd.kubelet_watch import KubeletWatch
+from ate_devplugd.metrics import Metrics
+from ate_devplugd.session import Session
+
+#: How long start-up (and a reload) waits for each new session's first attempt before going on.
+READY_TIMEOUT = 20.0
+
+
+class DevicePlugins:
+    """The sessions of device-plugin mode, one per resource of the registry."""
+
+    def __init__(
+        self,
+        plugin_dir: str,
+        registry: DeviceRegistry,
+        watch: KubeletWatch,
+        metrics: Metrics,
+        on_state: Callable[[], None],
+    ) -> None:
+        self._plugin_dir = plugin_dir
+        self._registry = registry
+        self._watch = watch
+        self._metrics = metrics
+        self._on_state = on_state
+        self._sessions: dict[str, Session] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self, names: list[str] | tuple[str, ...]) -> None:
+        """Serve and register these resources; return once each has made its first attempt."""
+        loop = asyncio.get_running_loop()
+        for name in names:
+            resource = self._registry.resources[name]
+            socket_path = posixpath.join(self._plugin_dir, resource.config.socket_name)
+            session = Session(resource, socket_path, self._watch, self._on_state, self._metrics)
+            self._sessions[name] = session
+            self._tasks[name] = loop.create_task(session.run(), name=f"session {name}")
+        waits = [self._sessions[name].first_attempt.wait() for name in names]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*waits), READY_TIMEOUT)
+
+    async def stop(self, names: list[str] | tuple[str, ...] | None = None) -> None:
+        """Stop these sessions (all, by default): their servers stop and their sockets go."""
+        names = list(self._tasks) if names is None else names
+        tasks = [self._tasks.pop(name) for name in names if name in self._tasks]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for name in names:
+            self._sessions.pop(name, None)
+
+    def reorder(self, names: list[str] | tuple[str, ...]) -> None:
+        """Keep STATUS in config order after a reload."""
+        self._sessions = {name: self._sessions[name] for name in names if name in self._sessions}
+
+    def status_line(self) -> str:
+        """STATUS=: one part per resource, in config order."""
+        return " | ".join(f"{name}: {s.describe()}" for name, s in self._sessions.items()) or "no devices"

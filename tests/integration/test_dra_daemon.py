@@ -1,0 +1,128 @@
+"""The whole daemon in ``mode = "dra"``: the DRA driver fed by the device registry, its CDI specs, its
+STATUS, its stop; against the fake DRA kubelet and the fake API server (tests/fakes), and podman as the
+real reader of the CDI spec a prepared claim names."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ate_devplugd.config import Config
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.kernel import KernelView, UdevKernelView
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.dra_kubelet import FakeDraKubelet
+from tests.integration.dra_rig import NODE, TOKEN, short_dir, write_kubeconfig
+from tests.podman import Podman
+from tests.support import (
+    DaemonInProcess,
+    FakeKernel,
+    FakeMonitor,
+    NotifyReceiver,
+    daemon_in_process,
+    kvm_config,
+)
+
+DRIVER = "kvm.ate.dev"
+POOL = f"{NODE}/ate.dev/kvm"
+SANDBOX = (4242, 4242)
+
+
+@dataclasses.dataclass
+class DraNode:
+    dir: Path
+    api: FakeApiServer
+    kubelet: FakeDraKubelet
+    config: Config
+    running: DaemonInProcess
+    notify: NotifyReceiver
+
+    async def status(self, text: str) -> str:
+        """The daemon's STATUS= once it contains ``text``."""
+        return (await self.notify.wait_for(lambda f: text in f.get("STATUS", "")))["STATUS"]
+
+    def claim(self, name: str, device: str = "kvm-0") -> tuple[str, str, str]:
+        uid = self.api.add_claim(
+            "default", name, [{"request": "kvm", "driver": DRIVER, "pool": POOL, "device": device}]
+        )
+        return "default", uid, name
+
+
+@contextlib.asynccontextmanager
+async def dra_node(kernel: KernelView, dev_root: Path, monitor: FakeMonitor | None = None) -> AsyncIterator[DraNode]:
+    """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher."""
+    async with short_dir() as base:
+        api = FakeApiServer(NODE, token=TOKEN)
+        await api.start()
+        kubeconfig = write_kubeconfig(base / "kubeconfig", api.url)
+        dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig), kubelet_dir=str(base / "kubelet"))
+        plugin_dir = base / "device-plugins"
+        plugin_dir.mkdir()
+        config = dataclasses.replace(kvm_config(plugin_dir, dev_root, cdi=True), mode="dra", dra=dra)
+        notify = NotifyReceiver(base / "notify")
+        kubelet = FakeDraKubelet(base / "kubelet")
+        try:
+            async with daemon_in_process(config, kernel, monitor=monitor, notify=notify.path) as running:
+                await kubelet.start()
+                yield DraNode(base, api, kubelet, config, running, notify)
+        finally:
+            await kubelet.stop()
+            await api.stop()
+            await notify.close()
+
+
+class TestDraMode:
+    async def test_registers_publishes_prepares_and_stops(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """kubelet registers the driver; one slice of 128 devices is published; a prepared claim names the
+        CDI device whose spec the daemon wrote; a vanished device withdraws the slice's devices; the stop
+        leaves no socket."""
+        monitor = FakeMonitor()
+        try:
+            async with dra_node(kernel, fake_root, monitor) as node:
+                assert (await node.kubelet.next_event("registered")).name == DRIVER
+                status = await node.status("registered with kubelet, slice published")
+                assert status == "dra: registered with kubelet, slice published (128 devices)"
+                (published,) = node.api.node_slices()
+                assert published["spec"]["driver"] == DRIVER and len(published["spec"]["devices"]) == 128
+                claim = node.claim("vm-1")
+                response = await node.kubelet.prepare(DRIVER, claim)
+                (device,) = response.claims[claim[1]].devices
+                assert list(device.cdi_device_ids) == ["ate.dev/kvm=kvm"]
+                assert (Path(node.config.cdi_dir) / "ate.dev-kvm.json").exists()
+                assert node.running.events.named("dra-prepare")
+
+                kernel.remove_node(fake_root / "dev" / "kvm")
+                monitor.emit("remove")
+                await node.status("slice published (no device present)")
+                assert node.api.node_slices()[0]["spec"]["devices"] == []
+
+                assert await node.running.stop() == 0
+                assert not Path(node.config.dra.plugin_socket).exists()  # type: ignore[union-attr]
+                assert not Path(node.config.dra.registration_socket).exists()  # type: ignore[union-attr]
+        finally:
+            monitor.close()
+
+    async def test_kubelet_restart_republishes(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """kubelet's start deletes the node's slices: the daemon publishes again within a second."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.status("slice published")
+            deleted = node.api.kubelet_restarted()
+            assert deleted
+            kind, obj = await node.api.next_change("ADDED", timeout=1.0)
+            assert kind == "ADDED" and obj["spec"]["nodeName"] == NODE
+
+
+class TestDraWithARealRuntime:
+    async def test_prepared_claim_opens_kvm_in_podman(self, podman: Podman) -> None:
+        """The CDI id a prepared claim returns, given to podman with the daemon's spec directory: a process
+        that dropped to a stranger's uid opens the host's /dev/kvm (KVM API 12)."""
+        async with dra_node(UdevKernelView(), Path("/")) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("slice published")
+            claim = node.claim("vm-1")
+            response = await node.kubelet.prepare(DRIVER, claim)
+            ids = list(response.claims[claim[1]].devices[0].cdi_device_ids)
+            check = await podman.run(cdi_devices=ids, run_as=SANDBOX, spec_dir=Path(node.config.cdi_dir))
+        assert check.opened and check.api_version == 12, check.raw
