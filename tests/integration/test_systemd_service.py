@@ -265,13 +265,18 @@ class TestThreads:
             async with daemon(cfg) as proc:
                 await kubelet.next_event("list")
                 tasks = Path(f"/proc/{proc.pid}/task")
-                before = len(list(tasks.iterdir()))
+                before = sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
                 for _ in range(5):
                     await kubelet.restart()
                     await kubelet.next_event("list")
                     for _ in range(10):
                         await kubelet.allocate("ate.dev/kvm", ["kvm-1"])
                 after = sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
-                assert len(after) == before, after
+                # gRPC's event-engine pool starts a worker when work is queued while none is idle, and
+                # retires it once idle: with Debian 13's grpcio it holds one worker more at times (never
+                # two, over 100 restarts), with Debian 12's it has not. Any other new thread is growth.
+                pool = "event_engine"
+                assert [n for n in after if n != pool] == [n for n in before if n != pool], (before, after)
+                assert after.count(pool) <= before.count(pool) + 1, (before, after)
         finally:
             await kubelet.stop()
