@@ -1,5 +1,5 @@
 #!/bin/bash
-# Runs inside the booted Debian 12 container (started by tests/package/run.sh),
+# Runs inside the booted Debian 12 or 13 container (started by tests/package/run.sh),
 # as a oneshot unit once multi-user.target is reached. /mnt/share holds:
 #   deb/ate-devplugd_*.deb   the package under test
 #   upgrade/*.deb            the same package rebuilt with a higher version

@@ -1,39 +1,65 @@
 #!/bin/bash
 # Package tests for ate-devplugd: the built .deb, a node-image bake, and the
-# service under a real, booted systemd.
+# service under a real, booted systemd, on each Debian release we support.
 #
-#   tests/package/run.sh [DEB]
+#   tests/package/run.sh [--suite SUITE]... [DEB]
 #
-# DEB defaults to a fresh build (packaging/build-deb.sh, lintian included).
-# Needs root, mmdebstrap and systemd-container (installed when missing), and
-# apt access for the first run; the Debian 12 tree is cached under
-# .cache/nspawn/, keyed on the package's Depends and this script.
+# SUITE is bookworm (Debian 12) or trixie (Debian 13); --suite may be given
+# more than once, and without it both are tested, one after the other, with
+# the same .deb. DEB defaults to a fresh build (packaging/build-deb.sh, lintian
+# included). Needs root, mmdebstrap and systemd-container (installed when
+# missing), and apt access for the first run; each release's tree is cached
+# under .cache/nspawn/<suite>-<key>/, keyed on the suite, the package's Depends
+# and the test unit.
 #
 # Checks, each printed as PASS/FAIL with its time:
-#   - the shipped unit scores <= 1.2 in systemd-analyze security --offline=true
 #   - lintian shows no error or warning; dpkg-deb -c lists what must ship and
 #     nothing else (no tests, bench or build-tree files); the conffile is one
+# and then for each suite, marked [SUITE]:
+#   - the shipped unit scores <= 1.2 in systemd-analyze security
+#     --offline=true, with that release's systemd (its checks differ)
 #   - bake: dpkg --root installs it into an image with no systemd running; the
 #     unit is enabled there and nothing was started
 #   - booted systemd (systemd-nspawn --boot): tests/package/inside.sh
-# Exits non-zero when any check fails, and then prints the container journal.
-# ATE_PKGTEST_KEEP=1 keeps the work directory (packages, console log, journal).
+# Ends with one count line per suite and a total. Exits non-zero when any check
+# fails, and then prints the failing suite's container journal.
+# ATE_PKGTEST_KEEP=1 keeps the work directory (packages, console logs, journals).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 top=$(cd "$here/../.." && pwd)
-suite=bookworm
+all_suites=(bookworm trixie)
 max_exposure=1.2
 boot_timeout=900
 
 say() { printf 'package-test: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 2; }
+usage() { die "usage: $0 [--suite bookworm|trixie]... [DEB]"; }
+suites=()
+deb_arg=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --suite) [ $# -ge 2 ] || usage; suites+=("$2"); shift 2 ;;
+        --suite=*) suites+=("${1#--suite=}"); shift ;;
+        -*) usage ;;
+        *) [ ${#deb_arg[@]} = 0 ] || usage; deb_arg=("$1"); shift ;;
+    esac
+done
+[ ${#suites[@]} -gt 0 ] || suites=("${all_suites[@]}")
+for suite in "${suites[@]}"; do
+    [[ " ${all_suites[*]} " == *" $suite "* ]] || die "unknown suite $suite (known: ${all_suites[*]})"
+done
+release() {  # release SUITE: how the reports name it
+    case "$1" in bookworm) echo "Debian 12 (bookworm)" ;; trixie) echo "Debian 13 (trixie)" ;; *) echo "$1" ;; esac
+}
 [ "$(id -u)" = 0 ] || die "must run as root (mmdebstrap, systemd-nspawn, dpkg --root)"
-[ $# -le 1 ] || die "usage: $0 [DEB]"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/ate-devplugd-pkgtest.XXXXXX")
 cleanup() {
-    if mountpoint -q "$work/bake/root" 2>/dev/null; then umount "$work/bake/root"; fi
+    local m
+    for m in "$work"/*/bake/root "$work"/*/analyze/root; do
+        if mountpoint -q "$m" 2>/dev/null; then umount "$m"; fi
+    done
     if [ "${ATE_PKGTEST_KEEP:-0}" = 1 ]; then say "kept $work"; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
@@ -70,20 +96,20 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # ---- the packages: the one under test, and a higher version for the upgrade ----------------------------
-mkdir -p "$work/share/deb" "$work/share/upgrade"
-if [ $# = 1 ]; then
-    [ -f "$1" ] || die "no such file: $1"
-    cp "$1" "$work/share/deb/"
+mkdir -p "$work/pkgs/deb" "$work/pkgs/upgrade"
+if [ ${#deb_arg[@]} = 1 ]; then
+    [ -f "${deb_arg[0]}" ] || die "no such file: ${deb_arg[0]}"
+    cp "${deb_arg[0]}" "$work/pkgs/deb/"
 else
     say "building the package"
-    "$top/packaging/build-deb.sh" "$work/share/deb" >"$work/build.log" 2>&1 ||
+    "$top/packaging/build-deb.sh" "$work/pkgs/deb" >"$work/build.log" 2>&1 ||
         { cat "$work/build.log" >&2; die "packaging/build-deb.sh failed"; }
 fi
-deb=$(ls "$work"/share/deb/ate-devplugd_*_all.deb)
+deb=$(ls "$work"/pkgs/deb/ate-devplugd_*_all.deb)
 [ "$(printf '%s\n' "$deb" | wc -l)" = 1 ] || die "expected one .deb, got: $deb"
 version=$(dpkg-deb -f "$deb" Version)
-say "testing $(basename "$deb")"
-"$top/packaging/build-deb.sh" --no-lintian --version "$version+pkgtest1" "$work/share/upgrade" \
+say "testing $(basename "$deb") on: ${suites[*]}"
+"$top/packaging/build-deb.sh" --no-lintian --version "$version+pkgtest1" "$work/pkgs/upgrade" \
     >"$work/build-upgrade.log" 2>&1 ||
     { cat "$work/build-upgrade.log" >&2; die "building the upgrade package failed"; }
 
@@ -91,19 +117,6 @@ say "testing $(basename "$deb")"
 mkdir "$work/deb"
 dpkg-deb -x "$deb" "$work/deb"
 dpkg-deb -e "$deb" "$work/deb/DEBIAN"
-
-exposure() {
-    local out score
-    out=$(systemd-analyze security --offline=true --no-pager \
-        "$work/deb/lib/systemd/system/ate-devplugd.service" 2>&1) || true
-    score=$(printf '%s\n' "$out" | sed -n 's/.*Overall exposure level for .*: \([0-9.]*\).*/\1/p')
-    say "exposure: ${score:-unknown} (at most $max_exposure)"
-    if [ -z "$score" ] || ! awk "BEGIN { exit !($score <= $max_exposure) }"; then
-        printf '%s\n' "$out" | grep -v '^✓' >&2
-        return 1
-    fi
-}
-check "systemd-analyze security --offline=true <= $max_exposure" exposure
 
 lintian_clean() {
     local report
@@ -150,7 +163,7 @@ contents() {
 }
 check "dpkg-deb -c: what must ship, and nothing of the build tree" contents
 
-# ---- the Debian 12 tree, cached --------------------------------------------------------------------
+# ---- one tree per release, cached ------------------------------------------------------------------
 # Runtime dependencies of the package (names only), so that the install works offline.
 depends=$(dpkg-deb -f "$deb" Depends | tr ',' '\n' | sed 's/^[[:space:]]*//; s/[[:space:](|].*//; s/:any$//' |
     grep -v '^$' | sort -u | paste -sd, -)
@@ -170,41 +183,59 @@ TimeoutStartSec=15min
 
 [Install]
 WantedBy=multi-user.target'
-key=$(printf '%s\n' "$suite" "$include" "$test_unit" | sha256sum | cut -c1-16)
 cache=$top/.cache/nspawn
-root=$cache/$key/root
+# build_tree: the tree of $suite at $tree ($cache/$suite-$key), unless it is there already.
 build_tree() {
-    [ -f "$cache/$key/complete" ] && return 0
-    say "building the $suite tree in $cache/$key (include: $include)"
-    rm -rf "$cache/$key.tmp"
-    mkdir -p "$cache/$key.tmp"
-    printf '%s\n' "$test_unit" >"$cache/$key.tmp/ate-pkgtest.service"
+    [ -f "$tree/complete" ] && return 0
+    say "building the $suite tree in $tree (include: $include)"
+    rm -rf "$tree.tmp"
+    mkdir -p "$tree.tmp"
+    printf '%s\n' "$test_unit" >"$tree.tmp/ate-pkgtest.service"
     # shellcheck disable=SC2016 # the hooks expand "$1" (the tree) when mmdebstrap runs them
     mmdebstrap --variant=apt --include="$include" \
-        --customize-hook='cp "'"$cache/$key.tmp"'/ate-pkgtest.service" "$1/etc/systemd/system/"' \
+        --customize-hook='cp "'"$tree.tmp"'/ate-pkgtest.service" "$1/etc/systemd/system/"' \
         --customize-hook='chroot "$1" systemctl enable ate-pkgtest.service' \
         --customize-hook='mkdir -p "$1/mnt/share"' \
-        "$suite" "$cache/$key.tmp/root" >"$work/mmdebstrap.log" 2>&1 ||
-        { tail -n 30 "$work/mmdebstrap.log" >&2; return 1; }
-    # Trees built for another package or test version are of no further use.
-    find "$cache" -mindepth 1 -maxdepth 1 -not -name "$key.tmp" -exec rm -rf {} +
-    mv "$cache/$key.tmp" "$cache/$key"
-    touch "$cache/$key/complete"
+        "$suite" "$tree.tmp/root" >"$sdir/mmdebstrap.log" 2>&1 ||
+        { tail -n 30 "$sdir/mmdebstrap.log" >&2; return 1; }
+    # Trees of this release built for another package or test version are of no further use, nor
+    # are those from before trees were named by release (a bare key).
+    find "$cache" -mindepth 1 -maxdepth 1 -regextype posix-extended \
+        \( -name "$suite-*" -o -regex '.*/[0-9a-f]{16}' \) -not -name "$suite-$key.tmp" -exec rm -rf {} +
+    mv "$tree.tmp" "$tree"
+    touch "$tree/complete"
 }
-mkdir -p "$cache"
-exec 9>"$cache/../nspawn.lock"
-flock 9
-check "Debian 12 tree for systemd-nspawn (cached)" build_tree
-[ -f "$cache/$key/complete" ] || { cat "$results"; exit 1; }
+
+# overlay NAME: mount a throwaway overlay of the tree on $sdir/NAME/root (unmounted by the caller).
+overlay() {
+    local merged=$sdir/$1/root
+    mkdir -p "$sdir/$1/upper" "$sdir/$1/work" "$merged"
+    mount -t overlay overlay -o "lowerdir=$root,upperdir=$sdir/$1/upper,workdir=$sdir/$1/work" "$merged"
+}
+
+# ---- the unit's exposure, as this release's systemd-analyze scores it --------------------------------
+exposure() {
+    local merged=$sdir/analyze/root out score
+    overlay analyze || return 1
+    cp "$work/deb/lib/systemd/system/ate-devplugd.service" "$merged/tmp/"
+    out=$(chroot "$merged" systemd-analyze security --offline=true --no-pager /tmp/ate-devplugd.service 2>&1) || true
+    say "[$suite] $(chroot "$merged" systemd-analyze --version | head -n 1)"
+    umount "$merged"
+    score=$(printf '%s\n' "$out" | sed -n 's/.*Overall exposure level for .*: \([0-9.]*\).*/\1/p')
+    say "[$suite] exposure: ${score:-unknown} (at most $max_exposure)"
+    if [ -z "$score" ] || ! awk "BEGIN { exit !($score <= $max_exposure) }"; then
+        printf '%s\n' "$out" | grep -v '^✓' >&2
+        return 1
+    fi
+}
 
 # ---- node-image bake: install with no systemd running ----------------------------------------------
 bake() {
-    local merged=$work/bake/root rc=0 pid
-    mkdir -p "$work/bake/upper" "$work/bake/work" "$merged"
-    mount -t overlay overlay -o "lowerdir=$root,upperdir=$work/bake/upper,workdir=$work/bake/work" "$merged"
+    local merged=$sdir/bake/root rc=0 pid
+    overlay bake || return 1
     [ ! -e "$merged/run/systemd/system" ] || { say "image has /run/systemd/system"; rc=1; }
-    DEBIAN_FRONTEND=noninteractive dpkg --root="$merged" -i "$deb" >"$work/bake.log" 2>&1 ||
-        { cat "$work/bake.log" >&2; rc=1; }
+    DEBIAN_FRONTEND=noninteractive dpkg --root="$merged" -i "$deb" >"$sdir/bake.log" 2>&1 ||
+        { cat "$sdir/bake.log" >&2; rc=1; }
     [ -L "$merged/etc/systemd/system/multi-user.target.wants/ate-devplugd.service" ] ||
         { say "unit not enabled in the image"; rc=1; }
     # shellcheck disable=SC2016 # a dpkg-query format, not a shell expression
@@ -220,42 +251,73 @@ bake() {
     umount "$merged"
     return $rc
 }
-check "bake: dpkg --root install enables the unit, starts nothing" bake
 
 # ---- booted systemd ----------------------------------------------------------------------------
-share=$work/share
-cp "$here/inside.sh" "$here/wait_event.py" "$share/"
-cp -a "$top/tests/fakes" "$share/fakes"
-cp -a "$top/src" "$share/src"
-find "$share/src" "$share/fakes" -name __pycache__ -prune -exec rm -rf {} +
-
 booted() {
     local args=(-q -D "$root" --boot --register=no --keep-unit --volatile=overlay --private-network
                 --bind="$share:/mnt/share" --console=pipe)
     # Read-only: a writable bind lets the container's tmpfiles change the host's node.
     [ ! -c /dev/kvm ] || args+=(--bind-ro=/dev/kvm)
     say "booting $root"
-    timeout --kill-after=30 "$boot_timeout" systemd-nspawn "${args[@]}" </dev/null >"$work/console.log" 2>&1 ||
+    timeout --kill-after=30 "$boot_timeout" systemd-nspawn "${args[@]}" </dev/null >"$sdir/console.log" 2>&1 ||
         say "systemd-nspawn exited with status $?"
     [ -f "$share/results.txt" ] || { say "the test unit did not run"; return 1; }
     grep -v '^DONE$' "$share/results.txt" | sed 's/^/  /'
     grep -qx DONE "$share/results.txt" || { say "the test unit did not finish"; return 1; }
     ! grep -q '^FAIL' "$share/results.txt"
 }
-check "booted systemd (systemd-nspawn --boot): service lifecycle" booted
+
+mkdir -p "$cache"
+# Held to the end: a run of another package version must not replace a tree that is in use.
+exec 9>"$cache/../nspawn.lock"
+flock 9
+failed_suites=()
+for suite in "${suites[@]}"; do
+    echo "== $(release "$suite")"
+    sdir=$work/$suite
+    share=$sdir/share
+    mkdir -p "$share"
+    key=$(printf '%s\n' "$suite" "$include" "$test_unit" | sha256sum | cut -c1-16)
+    tree=$cache/$suite-$key
+    root=$tree/root
+    failed_before=$failed
+    failed=0
+    check "[$suite] $(release "$suite") tree for systemd-nspawn (cached)" build_tree
+    if [ -f "$tree/complete" ]; then
+        check "[$suite] systemd-analyze security --offline=true <= $max_exposure" exposure
+        check "[$suite] bake: dpkg --root install enables the unit, starts nothing" bake
+        cp -a "$work/pkgs/deb" "$work/pkgs/upgrade" "$share/"
+        cp "$here/inside.sh" "$here/wait_event.py" "$share/"
+        cp -a "$top/tests/fakes" "$share/fakes"
+        cp -a "$top/src" "$share/src"
+        find "$share/src" "$share/fakes" -name __pycache__ -prune -exec rm -rf {} +
+        check "[$suite] booted systemd (systemd-nspawn --boot): service lifecycle" booted
+    fi
+    [ $failed = 0 ] || failed_suites+=("$suite")
+    failed=$((failed | failed_before))
+done
 
 echo
 cat "$results"
-inner=$(cat "$share/results.txt" 2>/dev/null || true)
 count() { grep -c "$1" || true; }
-passed=$(( $(count '^PASS' <"$results") + $(count '^ *PASS' <<<"$inner") ))
-failures=$(( $(count '^FAIL' <"$results") + $(count '^ *FAIL' <<<"$inner") ))
-echo "package-test: $passed passed, $failures failed"
+# count_suite SUITE: "N passed, M failed" for SUITE's checks, its booted ones included.
+passed_all=$(count '^PASS' <"$results"); failed_all=$(count '^FAIL' <"$results")
+for suite in "${suites[@]}"; do
+    inner=$(cat "$work/$suite/share/results.txt" 2>/dev/null || true)
+    p=$(( $(count "^PASS \[$suite\]" <"$results") + $(count '^ *PASS' <<<"$inner") ))
+    f=$(( $(count "^FAIL \[$suite\]" <"$results") + $(count '^ *FAIL' <<<"$inner") ))
+    passed_all=$((passed_all + $(count '^ *PASS' <<<"$inner")))
+    failed_all=$((failed_all + $(count '^ *FAIL' <<<"$inner")))
+    echo "package-test $suite: $p passed, $f failed"
+done
+echo "package-test: $passed_all passed, $failed_all failed"
 if [ $failed != 0 ]; then
-    if [ -s "$share/journal.txt" ]; then
-        echo "---- container journal"; cat "$share/journal.txt"
-    elif [ -s "$work/console.log" ]; then
-        echo "---- container console"; cat "$work/console.log"
-    fi
+    for suite in "${failed_suites[@]}"; do
+        if [ -s "$work/$suite/share/journal.txt" ]; then
+            echo "---- $(release "$suite"): container journal"; cat "$work/$suite/share/journal.txt"
+        elif [ -s "$work/$suite/console.log" ]; then
+            echo "---- $(release "$suite"): container console"; cat "$work/$suite/console.log"
+        fi
+    done
     exit 1
 fi
