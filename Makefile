@@ -30,7 +30,7 @@ APT_PACKAGES := python3 python3-venv python3-dev python3-grpcio python3-protobuf
                 protobuf-compiler protobuf-compiler-grpc libsystemd-dev pkg-config gcc udev strace \
                 podman runc libc6-dev prometheus-node-exporter prometheus
 
-.PHONY: help dev run test lint proto proto-check test-venv test-debian test-nonroot apt clean deb \
+.PHONY: help dev run test lint proto proto-check test-venv test-debian test-nonroot test-trixie apt clean deb \
         test-package e2e check bench soak
 
 help: ## this list
@@ -105,11 +105,14 @@ test-nonroot: $(APT_STAMP) ## the suite as nobody, as if the machine had no /dev
 
 test: lint proto-check test-venv test-debian ## lint, generated-code check, the suite on both runtimes (minutes)
 
+test-trixie: ## the suite on Debian 13's python3 and packages (a cached trixie tree, chrooted into)
+	tests/runtime/run-suite.sh trixie $(PYTEST_ARGS)
+
 $(DEB): $(shell git ls-files src packaging pyproject.toml README.md 2>/dev/null) | $(APT_STAMP)
 	packaging/build-deb.sh dist
 deb: $(DEB) ## dist/ate-devplugd_<version>_all.deb (lintian-gated), built once per change
 
-test-package: $(DEB) ## the .deb in a booted systemd (nspawn): install, run, reload, upgrade, purge
+test-package: $(DEB) ## the .deb in booted Debian 12 and 13 trees (nspawn): install, run, reload, upgrade, purge
 	tests/package/run.sh $(DEB)
 
 # Needs qemu-system-x86_64 with the software CPU (installed by build-image.sh); fails, saying why,
@@ -122,7 +125,7 @@ e2e: $(DEB) ## the .deb in a Debian 12 VM (qemu) with real udevd and kernel modu
 # cannot run, rather than skip.
 check: export ATE_REQUIRE_PODMAN := 1
 check: export ATE_REQUIRE_PROMETHEUS_TOOLS := 1
-check: test test-nonroot ## what CI runs: `make test`, the suite as nobody, a bench smoke run, the package and VM tests
+check: test test-nonroot test-trixie ## what CI runs: `make test`, as nobody, on Debian 13, bench smoke, package and VM tests
 	@echo "== benchmark smoke run (figures not checked)"
 	$(MAKE) --no-print-directory bench QUICK=1
 	@echo "== the .deb in a booted systemd"

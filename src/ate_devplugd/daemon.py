@@ -17,12 +17,12 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ate_devplugd import config as configmod
 from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.devices import DeviceRegistry, Resource
-from ate_devplugd.dra.mode import DraMode
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
@@ -33,6 +33,9 @@ from ate_devplugd.notify import Notifier, watchdog_interval
 from ate_devplugd.plugins import DevicePlugins
 from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
+
+if TYPE_CHECKING:
+    from ate_devplugd.dra.mode import DraMode
 
 log = logging.getLogger("ate_devplugd")
 
@@ -137,6 +140,8 @@ class Daemon:
         if busy:
             return False
         if self.config.dra is not None and self.config.mode == "dra":
+            from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
+
             self._mode = DraMode(self.config.dra, self._registry, self._update_status)
         else:
             self._mode = DevicePlugins(
@@ -169,7 +174,7 @@ class Daemon:
         self._metrics.set_device(
             resource.name, present=resource.presence.present, healthy=resource.healthy, advertised_units=units
         )
-        if isinstance(self._mode, DraMode):
+        if self._mode is not None:
             self._mode.looked(resource)
         if event is not None:
             self._update_status()

@@ -13,7 +13,7 @@ import contextlib
 import posixpath
 from collections.abc import Callable
 
-from ate_devplugd.devices import DeviceRegistry
+from ate_devplugd.devices import DeviceRegistry, Resource
 from ate_devplugd.kubelet_watch import KubeletWatch
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.session import Session
@@ -64,6 +64,9 @@ class DevicePlugins:
             await asyncio.gather(*tasks, return_exceptions=True)
         for name in names:
             self._sessions.pop(name, None)
+
+    def looked(self, resource: Resource) -> None:
+        """A look at a device: each session follows its resource itself (its change event)."""
 
     def reorder(self, names: list[str] | tuple[str, ...]) -> None:
         """Keep STATUS in config order after a reload."""

@@ -240,6 +240,12 @@ def _give_up(reason: str) -> NoReturn:
     pytest.skip(f"podman cannot run here: {reason}")
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """``podman version 4.3.1`` -> (4, 3, 1)."""
+    word = text.rsplit(maxsplit=1)[-1] if text.split() else ""
+    return tuple(int(part) for part in word.split(".") if part.isdigit())
+
+
 class Podman:
     """rootful podman on a throwaway store, holding the kvmcheck image; :meth:`run` starts one container."""
 
@@ -248,6 +254,8 @@ class Podman:
         self.conf = workdir / "containers.conf"
         self.store = workdir / "store"
         self.checker = workdir / "kvmcheck"
+        #: podman's (major, minor, patch): 4.3.1 in Debian 12, 5.4 in Debian 13.
+        self.version: tuple[int, ...] = ()
 
     @classmethod
     def prepare(cls, workdir: Path) -> Podman:
@@ -258,6 +266,9 @@ class Podman:
         pm = cls(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         pm.conf.write_text(CONTAINERS_CONF)
+        pm.version = _version(
+            subprocess.run(["podman", "--version"], capture_output=True, text=True, check=False).stdout
+        )
         pm._build_checker()
         pm._import_image()
         argv = pm.argv("run", "--rm", "--network", "none", IMAGE, "/kvmcheck")

@@ -33,13 +33,14 @@ set -euo pipefail
 # packages are added here, in this one list.
 runtime_packages=(
     python3 python3-grpcio python3-protobuf python3-systemd python3-pyudev
-    python3-pytest python3-hypothesis
+    python3-pytest python3-hypothesis python3-cryptography
     python3-prometheus-client python3-yaml python3-aiohttp
 )
 # What the suite calls besides Python: udevd/udevadm (udev hotplug tests), strace (idle test),
-# mount (bind/tmpfs faults), chattr (immutable-directory fault). setpriv and unshare come with
-# util-linux, which every tree has.
-test_tools=(udev strace mount e2fsprogs)
+# mount (bind/tmpfs faults), chattr (immutable-directory fault), the release's podman with runc and
+# a static libc for its checker (CDI), node_exporter and promtool (metrics). setpriv and unshare
+# come with util-linux, which every tree has.
+test_tools=(udev strace mount e2fsprogs podman runc gcc libc6-dev prometheus-node-exporter prometheus)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 top=$(cd "$here/../.." && pwd)

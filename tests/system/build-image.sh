@@ -24,6 +24,7 @@ cache=${SYSTEST_CACHE:-$repo/.cache/vm}
 packages=(
     systemd systemd-sysv udev kmod procps linux-image-amd64
     python3 python3-grpcio python3-protobuf python3-systemd python3-pyudev python3-prometheus-client
+    python3-aiohttp python3-yaml
 )
 
 log() { printf 'build-image: %s\n' "$*" >&2; }
