@@ -52,8 +52,13 @@ def make_pki(directory: Path, client_cn: str = "system:node:node-1") -> Pki:
         .not_valid_before(now - datetime.timedelta(minutes=1))
         .not_valid_after(now + datetime.timedelta(hours=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    # Key identifiers as kubeadm's certificates carry them: Python 3.13's default TLS context verifies
+    # strictly (VERIFY_X509_STRICT), which refuses a certificate without an Authority Key Identifier.
+    authority = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
 
     def leaf(name: x509.Name, usage: x509.ObjectIdentifier, san: bool) -> tuple[bytes, bytes]:
         key = ec.generate_private_key(ec.SECP256R1())
@@ -66,6 +71,8 @@ def make_pki(directory: Path, client_cn: str = "system:node:node-1") -> Pki:
             .not_valid_before(now - datetime.timedelta(minutes=1))
             .not_valid_after(now + datetime.timedelta(hours=1))
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(authority, critical=False)
         )
         if san:
             builder = builder.add_extension(

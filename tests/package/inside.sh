@@ -18,6 +18,8 @@ unit=ate-devplugd.service
 plugin_dir=/var/lib/kubelet/device-plugins
 sock=$plugin_dir/ate.dev-kvm.sock
 conf=/etc/ate-devplugd/config.toml
+metrics_file=/var/lib/prometheus/node-exporter/ate-devplugd.prom
+cdi_spec=/run/cdi/ate.dev-kvm.json
 klog=/run/fake-kubelet.jsonl
 wait_event=(python3 "$share/wait_event.py")
 export DEBIAN_FRONTEND=noninteractive
@@ -100,6 +102,8 @@ start_kubelet() {
 must "fake kubelet listening" start_kubelet
 
 # ---- install, offline ----------------------------------------------------------------------------
+# node_exporter's textfile directory, as prometheus-node-exporter's package makes it (root, 0755).
+mkdir -p -m 0755 "$(dirname "$metrics_file")"
 install_deb() {
     t_install=$(now)
     (cd "$share/deb" && apt-get install -y -q ./ate-devplugd_*.deb </dev/null)
@@ -157,6 +161,12 @@ journal_fields() {
 }
 check "journalctl -o json carries ATE_RESOURCE and ATE_EVENT" journal_fields
 
+metrics_written() {
+    wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0' "$metrics_file" &&
+        [ "$(stat -c %a "$metrics_file")" = 644 ]
+}
+check "metrics file for node_exporter written under the hardened unit (0644)" metrics_written
+
 # ---- reload ------------------------------------------------------------------------------------
 cp -a "$conf" /run/config.toml.orig
 reload_applies() {
@@ -169,6 +179,15 @@ reload_applies() {
         wait_for 30 is_running && expect_prop MainPID "$pid"
 }
 check "systemctl reload applies a changed count" reload_applies
+
+cdi_written() {
+    printf 'cdi = true\n' >>"$conf"
+    systemctl reload "$unit" &&
+        wait_for 30 test -s "$cdi_spec" &&
+        grep -q '"cdiVersion": "0.3.0"' "$cdi_spec" && grep -q '"fileMode": 438' "$cdi_spec" &&
+        [ "$(stat -c %a "$cdi_spec")" = 644 ] && cat "$cdi_spec" >&2
+}
+check "cdi = true: the CDI spec is written to /run/cdi under the hardened unit" cdi_written
 
 # ---- kubelet restart -----------------------------------------------------------------------------
 kubelet_restart() {
@@ -236,9 +255,9 @@ check "frozen daemon (SIGSTOP): watchdog SIGABRT, then restarted" watchdog
 # ---- stop --------------------------------------------------------------------------------------
 stop_clean() {
     systemctl stop "$unit" && expect_prop ActiveState inactive && expect_prop Result success &&
-        [ ! -e "$sock" ] && ! compgen -G "$plugin_dir/ate.*" >/dev/null
+        [ ! -e "$sock" ] && ! compgen -G "$plugin_dir/ate.*" >/dev/null && [ ! -e "$metrics_file" ]
 }
-check "systemctl stop: exit 0, no socket left" stop_clean
+check "systemctl stop: exit 0, no socket and no metrics file left" stop_clean
 
 # ---- upgrade -----------------------------------------------------------------------------------
 upgrade() {
