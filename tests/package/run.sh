@@ -30,6 +30,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 top=$(cd "$here/../.." && pwd)
 all_suites=(bookworm trixie)
 max_exposure=1.2
+# DRA mode's drop-in (/usr/share/ate-devplugd/dra-mode.conf) adds Internet sockets, for the API server.
+max_exposure_dra=1.5
 boot_timeout=900
 
 say() { printf 'package-test: %s\n' "$*" >&2; }
@@ -57,7 +59,7 @@ release() {  # release SUITE: how the reports name it
 work=$(mktemp -d "${TMPDIR:-/tmp}/ate-devplugd-pkgtest.XXXXXX")
 cleanup() {
     local m
-    for m in "$work"/*/bake/root "$work"/*/analyze/root; do
+    for m in "$work"/*/bake/root "$work"/*/analyze/root "$work"/*/analyze-dra/root; do
         if mountpoint -q "$m" 2>/dev/null; then umount "$m"; fi
     done
     if [ "${ATE_PKGTEST_KEEP:-0}" = 1 ]; then say "kept $work"; else rm -rf "$work"; fi
@@ -136,6 +138,7 @@ contents() {
                 /usr/share/man/man5/ate-devplugd.toml.5.gz \
                 /usr/share/doc/ate-devplugd/copyright \
                 /usr/share/doc/ate-devplugd/changelog.gz \
+                /usr/share/ate-devplugd/dra-mode.conf \
                 /usr/lib/python3/dist-packages/ate_devplugd/__init__.py \
                 /usr/lib/python3/dist-packages/ate_devplugd/cli.py \
                 /usr/lib/python3/dist-packages/ate_devplugd/_pb/api_pb2.py \
@@ -143,7 +146,7 @@ contents() {
         grep -qxF "$path" <<<"$listing" || { say "missing from the package: $path"; rc=1; }
     done
     # Everything else must be one of these, or a directory leading to them.
-    local allowed='^/(etc|etc/ate-devplugd|etc/ate-devplugd/config\.toml|lib|lib/systemd|lib/systemd/system|lib/systemd/system/ate-devplugd\.service|usr|usr/bin|usr/bin/ate-devplugd|usr/lib|usr/lib/python3|usr/lib/python3/dist-packages|usr/lib/python3/dist-packages/ate_devplugd(/[A-Za-z0-9_]+)*(/([A-Za-z0-9_]+\.py|py\.typed))?|usr/lib/python3/dist-packages/ate_devplugd-[0-9][^/]*\.dist-info(/[A-Za-z_.]+)?|usr/share|usr/share/doc|usr/share/doc/ate-devplugd|usr/share/doc/ate-devplugd/(copyright|changelog\.gz)|usr/share/man|usr/share/man/man[58]|usr/share/man/man8/ate-devplugd\.8\.gz|usr/share/man/man5/ate-devplugd\.toml\.5\.gz|usr/share/lintian|usr/share/lintian/overrides|usr/share/lintian/overrides/ate-devplugd)$'
+    local allowed='^/(etc|etc/ate-devplugd|etc/ate-devplugd/config\.toml|lib|lib/systemd|lib/systemd/system|lib/systemd/system/ate-devplugd\.service|usr|usr/bin|usr/bin/ate-devplugd|usr/lib|usr/lib/python3|usr/lib/python3/dist-packages|usr/lib/python3/dist-packages/ate_devplugd(/[A-Za-z0-9_]+)*(/([A-Za-z0-9_]+\.py|py\.typed))?|usr/lib/python3/dist-packages/ate_devplugd-[0-9][^/]*\.dist-info(/[A-Za-z_.]+)?|usr/share|usr/share/doc|usr/share/doc/ate-devplugd|usr/share/doc/ate-devplugd/(copyright|changelog\.gz)|usr/share/man|usr/share/man/man[58]|usr/share/man/man8/ate-devplugd\.8\.gz|usr/share/man/man5/ate-devplugd\.toml\.5\.gz|usr/share/lintian|usr/share/lintian/overrides|usr/share/lintian/overrides/ate-devplugd|usr/share/ate-devplugd|usr/share/ate-devplugd/dra-mode\.conf)$'
     while IFS= read -r path; do
         [[ $path =~ $allowed ]] || { say "unexpected in the package: $path"; rc=1; }
         case "$path" in
@@ -230,6 +233,23 @@ exposure() {
     fi
 }
 
+# The unit with DRA mode's drop-in, installed as the README says.
+exposure_dra() {
+    local merged=$sdir/analyze-dra/root out score
+    overlay analyze-dra || return 1
+    mkdir -p "$merged/etc/systemd/system/ate-devplugd.service.d"
+    cp "$work/deb/lib/systemd/system/ate-devplugd.service" "$merged/etc/systemd/system/"
+    cp "$work/deb/usr/share/ate-devplugd/dra-mode.conf" "$merged/etc/systemd/system/ate-devplugd.service.d/"
+    out=$(chroot "$merged" systemd-analyze security --offline=true --no-pager ate-devplugd.service 2>&1) || true
+    umount "$merged"
+    score=$(printf '%s\n' "$out" | sed -n 's/.*Overall exposure level for .*: \([0-9.]*\).*/\1/p')
+    say "[$suite] exposure in DRA mode: ${score:-unknown} (at most $max_exposure_dra)"
+    if [ -z "$score" ] || ! awk "BEGIN { exit !($score <= $max_exposure_dra) }"; then
+        printf '%s\n' "$out" | grep -v '^✓' >&2
+        return 1
+    fi
+}
+
 # ---- node-image bake: install with no systemd running ----------------------------------------------
 bake() {
     local merged=$sdir/bake/root rc=0 pid
@@ -286,6 +306,7 @@ for suite in "${suites[@]}"; do
     check "[$suite] $(release "$suite") tree for systemd-nspawn (cached)" build_tree
     if [ -f "$tree/complete" ]; then
         check "[$suite] systemd-analyze security --offline=true <= $max_exposure" exposure
+        check "[$suite] the same with DRA mode's drop-in <= $max_exposure_dra" exposure_dra
         check "[$suite] bake: dpkg --root install enables the unit, starts nothing" bake
         cp -a "$work/pkgs/deb" "$work/pkgs/upgrade" "$share/"
         cp "$here/inside.sh" "$here/wait_event.py" "$share/"
