@@ -34,6 +34,7 @@ from ate_devplugd.dra.service import (
     UnixServer,
 )
 from ate_devplugd.dra.slices import SlicePublisher, SliceState
+from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,11 @@ class DraDriver:
             await self._plugin.stop(None)
             raise
         self.kubelet = KubeletState.WAITING
-        log.info(
+        EventLog(log).info(
+            "dra-serving",
             "dra: serving %s; registration socket %s",
             self.config.plugin_socket,
             self.config.registration_socket,
-            extra={"ATE_EVENT": "dra-serving"},
         )
         self._publisher_task = asyncio.ensure_future(self.publisher.run())
         self._notify()
@@ -150,12 +151,12 @@ class DraDriver:
             raise KeyError(resource)
         if self.publisher.present[resource] == healthy:
             return
-        log.info(
+        EventLog(log, resource=resource).info(
+            "dra-device-healthy" if healthy else "dra-device-unhealthy",
             "dra: %s %s: its devices are %s",
             resource,
             "is back" if healthy else "vanished",
             "published again" if healthy else "withdrawn from its slice",
-            extra={"ATE_EVENT": "dra-device-healthy" if healthy else "dra-device-unhealthy", "ATE_RESOURCE": resource},
         )
         self.publisher.set_present(resource, healthy)
         self.health.changed()
@@ -183,15 +184,12 @@ class DraDriver:
         if registered:
             self.kubelet = KubeletState.REGISTERED
             self._kubelet_detail = ""
-            log.info("dra: registered with kubelet as %s", self.config.driver, extra={"ATE_EVENT": "dra-registered"})
+            EventLog(log).info("dra-registered", "dra: registered with kubelet as %s", self.config.driver)
         else:
             self.kubelet = KubeletState.REFUSED
             self._kubelet_detail = error
-            log.error(
-                "dra: kubelet refused the registration of %s: %s",
-                self.config.driver,
-                error,
-                extra={"ATE_EVENT": "dra-register-failed"},
+            EventLog(log).error(
+                "dra-register-failed", "dra: kubelet refused the registration of %s: %s", self.config.driver, error
             )
         self._notify()
 

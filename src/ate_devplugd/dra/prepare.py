@@ -16,6 +16,7 @@ from typing import Any
 
 from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
 from ate_devplugd.dra.pools import Pool
+from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,10 @@ class Preparer:
         try:
             devices = tuple(await self._devices(claim))
         except ClaimError as exc:
-            log.warning("dra: cannot prepare claim %s: %s", claim, exc, extra={"ATE_EVENT": "dra-prepare"})
+            EventLog(log).warning("dra-prepare", "dra: cannot prepare claim %s: %s", claim, exc)
             return PrepareResult(error=f"claim {claim}: {exc}")
         names = ", ".join(f"{d.pool_name}/{d.device_name}" for d in devices) or "no device of this driver"
-        log.info("dra: prepared claim %s: %s", claim, names, extra={"ATE_EVENT": "dra-prepare"})
+        EventLog(log).info("dra-prepare", "dra: prepared claim %s: %s", claim, names)
         return PrepareResult(devices=devices)
 
     async def _devices(self, claim: ClaimRef) -> list[PreparedDevice]:

@@ -21,6 +21,7 @@ from ate_devplugd.dra import kubeconfig, pools
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, node_path, slice_path
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import Pool
+from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -296,12 +297,12 @@ class SlicePublisher:
             return
         if pools.sharing_dropped(stored):
             if not self.sharing_dropped:
-                log.error(
+                EventLog(log, resource=pool.resource).error(
+                    "dra-sharing-dropped",
                     "dra: the API server dropped allowMultipleAllocations from pool %s: its device is exclusive, "
                     'one pod at a time; enable the %s feature gate or use sharing = "units"',
                     pool.name,
                     pools.CONSUMABLE_CAPACITY_GATE,
-                    extra={"ATE_EVENT": "dra-sharing-dropped", "ATE_RESOURCE": pool.resource},
                 )
             self.sharing_dropped = True
 
@@ -311,4 +312,4 @@ def _count(obj: dict[str, Any]) -> int:
 
 
 def _event(name: str, pool: Pool, msg: str, *args: object) -> None:
-    log.info(msg, *args, extra={"ATE_EVENT": name, "ATE_RESOURCE": pool.resource})
+    EventLog(log, resource=pool.resource).info(name, msg, *args)
