@@ -218,37 +218,27 @@ overlay() {
 }
 
 # ---- the unit's exposure, as this release's systemd-analyze scores it --------------------------------
-exposure() {
-    local merged=$sdir/analyze/root out score
-    overlay analyze || return 1
-    cp "$work/deb/lib/systemd/system/ate-devplugd.service" "$merged/tmp/"
-    out=$(chroot "$merged" systemd-analyze security --offline=true --no-pager /tmp/ate-devplugd.service 2>&1) || true
+# score NAME MAX [DROP-IN]: the unit (with DROP-IN from the package, as the README installs it) scored in
+# a throwaway overlay of the tree; at most MAX.
+score() {
+    local name=$1 max=$2 dropin=${3:-} merged=$sdir/$1/root out score
+    overlay "$name" || return 1
+    mkdir -p "$merged/etc/systemd/system/ate-devplugd.service.d"
+    cp "$work/deb/lib/systemd/system/ate-devplugd.service" "$merged/etc/systemd/system/"
+    [ -z "$dropin" ] || cp "$work/deb/$dropin" "$merged/etc/systemd/system/ate-devplugd.service.d/"
+    out=$(chroot "$merged" systemd-analyze security --offline=true --no-pager ate-devplugd.service 2>&1) || true
     say "[$suite] $(chroot "$merged" systemd-analyze --version | head -n 1)"
     umount "$merged"
     score=$(printf '%s\n' "$out" | sed -n 's/.*Overall exposure level for .*: \([0-9.]*\).*/\1/p')
-    say "[$suite] exposure: ${score:-unknown} (at most $max_exposure)"
-    if [ -z "$score" ] || ! awk "BEGIN { exit !($score <= $max_exposure) }"; then
+    say "[$suite] exposure${dropin:+ with $dropin}: ${score:-unknown} (at most $max)"
+    if [ -z "$score" ] || ! awk "BEGIN { exit !($score <= $max) }"; then
         printf '%s\n' "$out" | grep -v '^✓' >&2
         return 1
     fi
 }
-
-# The unit with DRA mode's drop-in, installed as the README says.
-exposure_dra() {
-    local merged=$sdir/analyze-dra/root out score
-    overlay analyze-dra || return 1
-    mkdir -p "$merged/etc/systemd/system/ate-devplugd.service.d"
-    cp "$work/deb/lib/systemd/system/ate-devplugd.service" "$merged/etc/systemd/system/"
-    cp "$work/deb/usr/share/ate-devplugd/dra-mode.conf" "$merged/etc/systemd/system/ate-devplugd.service.d/"
-    out=$(chroot "$merged" systemd-analyze security --offline=true --no-pager ate-devplugd.service 2>&1) || true
-    umount "$merged"
-    score=$(printf '%s\n' "$out" | sed -n 's/.*Overall exposure level for .*: \([0-9.]*\).*/\1/p')
-    say "[$suite] exposure in DRA mode: ${score:-unknown} (at most $max_exposure_dra)"
-    if [ -z "$score" ] || ! awk "BEGIN { exit !($score <= $max_exposure_dra) }"; then
-        printf '%s\n' "$out" | grep -v '^✓' >&2
-        return 1
-    fi
-}
+exposure() { score analyze "$max_exposure"; }
+# DRA mode's drop-in adds Internet sockets (for the API server) and kubelet's plugin directories.
+exposure_dra() { score analyze-dra "$max_exposure_dra" usr/share/ate-devplugd/dra-mode.conf; }
 
 # ---- node-image bake: install with no systemd running ----------------------------------------------
 bake() {
