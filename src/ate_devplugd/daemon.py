@@ -1,11 +1,14 @@
 """The daemon's lifecycle: start-up, the main loop, reload and shutdown, on one asyncio loop.
 
 Start-up, in this order: take the instance lock; watch the plugin directory (inotify) and the udev
-netlink socket; only then look at the devices; then start one ``Session`` per resource (each serves its
-socket, proves it answers, then registers). READY=1 goes out once every present device has been
-served, whether or not kubelet is there. The main loop sleeps until a signal's flag is set; the only
-timer is the watchdog ping. Reload applies a config diff: added resources get sessions, removed ones
-lose theirs, changed ones keep theirs (their new list goes out on the open ListAndWatch stream).
+netlink socket; only then look at the devices (each look also writes the device's CDI spec when it has
+one); then start the mode: device-plugin mode's sessions (``plugins.DevicePlugins``: each serves its
+socket, proves it answers, then registers) or DRA mode's driver (``dra.mode.DraMode``). READY=1 goes out
+once every present device has been served, whether or not kubelet is there; the metrics file follows
+from then on. The main loop sleeps until a signal's flag is set; the only timers are the watchdog ping
+and the metrics file's coalescing delay. Reload applies a config diff: added resources are served,
+removed ones stopped, changed ones keep serving (their new list goes out on the open ListAndWatch
+stream).
 """
 
 from __future__ import annotations
@@ -238,7 +241,7 @@ class Daemon:
                 new = dataclasses.replace(new, **{key: getattr(self.config, key)})
         change = configmod.diff(self.config, new)
         added = tuple(dev for dev in new.devices if dev.resource in change.added)
-        busy = busy_sockets(new.plugin_dir, added)
+        busy = busy_sockets(new.plugin_dir, added) if new.mode != "dra" else []
         for msg in busy:
             self._events.error("reload-failed", "%s; keeping the running config", msg)
         if busy:
