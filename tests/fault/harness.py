@@ -160,3 +160,17 @@ def read_only_bind(directory: Path) -> Iterator[None]:
         yield
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+@contextlib.contextmanager
+def full_tmpfs(directory: Path) -> Iterator[None]:
+    """``directory`` a 4 KiB tmpfs, filled up (ENOSPC for the next write), undone on exit."""
+    import subprocess
+
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(directory)], check=True)
+    try:
+        with contextlib.suppress(OSError):
+            (directory / "filler").write_bytes(b"x" * 8192)
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)

@@ -7,6 +7,7 @@ else is real: gRPC on unix sockets, the fake kubelet, inotify, sd_notify datagra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,7 +21,7 @@ import pytest
 
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from tests.fakes.kubelet import FakeKubelet
-from tests.fault.harness import read_only_bind
+from tests.fault.harness import full_tmpfs, read_only_bind
 from tests.support import (
     RESOURCE,
     SOCKET,
@@ -431,3 +432,32 @@ class TestCdi:
                     assert "Read-only" in running.events.named("cdi-failed")[0].getMessage()
         finally:
             await kubelet.stop()
+
+
+class TestMetricsFile:
+    @pytest.mark.parametrize("fault", ["read-only", "full"])
+    async def test_unwritable_metrics_directory(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel, fault: str
+    ) -> None:
+        """A metrics directory read-only (a read-only bind mount) or full (a 4 KiB tmpfs, filled): one
+        warning, metrics off, registration and Allocate unaffected."""
+        if os.geteuid() != 0:
+            pytest.skip("mounts need root")
+        textfiles = tmp_path / "textfile"
+        textfiles.mkdir()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(read_only_bind(textfiles) if fault == "read-only" else full_tmpfs(textfiles))
+            kubelet = await started_kubelet(plugin_dir)
+            try:
+                config = kvm_config(plugin_dir, fake_root, metrics_file=textfiles / "ate-devplugd.prom")
+                async with daemon_in_process(config, kernel) as running:
+                    await kubelet.next_event("list")
+                    record = await running.events.wait_for("metrics-off")
+                    assert record.levelno == logging.WARNING
+                    for n in range(5):
+                        await kubelet.allocate(RESOURCE, [f"kvm-{n}"])
+                    await kubelet.restart()
+                    await kubelet.next_event("register")
+                    assert len(running.events.named("metrics-off")) == 1
+            finally:
+                await kubelet.stop()
