@@ -13,13 +13,13 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import device_config
 from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml_str
-from ate_devplugd.dra import config as dra_config
-from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.pools import DraResource, build_pools
+
+if TYPE_CHECKING:
+    from ate_devplugd.dra.config import DraConfig
 
 DEFAULT_CONFIG_PATH = Path("/etc/ate-devplugd/config.toml")
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
@@ -135,18 +135,25 @@ def from_mapping(
         top["log_level"] = _log_level("log_level", data["log_level"], errors)
     if "metrics_file" in data:
         top["metrics_file"] = _metrics_file(data["metrics_file"], errors)
-    mode, mode_errors = dra_config.validate_mode(data.get("mode"))
-    errors.extend(mode_errors)
-    top["mode"] = mode
-    if mode == "dra" or "dra" in data:
-        top["dra"], dra_errors = dra_config.from_mapping(data.get("dra"), gethostname)
-        errors.extend(dra_errors)
+    mode = "device-plugin"
+    if "mode" in data or "dra" in data:
+        # DRA mode's checks are read only where the file speaks of it (they cost start-up a few ms).
+        from ate_devplugd.dra import config as dra_config  # noqa: PLC0415
+
+        mode, mode_errors = dra_config.validate_mode(data.get("mode"))
+        errors.extend(mode_errors)
+        top["mode"] = mode
+        if mode == "dra" or "dra" in data:
+            top["dra"], dra_errors = dra_config.from_mapping(data.get("dra"), gethostname)
+            errors.extend(dra_errors)
     # DRA hands a device to a container only through a CDI spec: in DRA mode every device has one.
     defaults = [{"resource": dev.resource, "path": dev.path} for dev in DEFAULT_DEVICES]
     devices = data.get("device", defaults if mode == "dra" else None)
     if devices is not None:
         top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
     if mode == "dra" and not errors:
+        from ate_devplugd.dra.pools import DraResource, build_pools  # noqa: PLC0415
+
         offered = [DraResource(dev.resource, f"{dev.resource}={dev.cdi_name}") for dev in top["devices"]]
         errors.extend(build_pools(top["dra"], offered)[1])
     if errors:
@@ -198,5 +205,7 @@ def render(config: Config) -> str:
     for dev in config.devices:
         lines += ["", *device_config.render(dev)]
     if config.dra is not None:
+        from ate_devplugd.dra import config as dra_config  # noqa: PLC0415
+
         lines += ["", dra_config.render(config.dra).rstrip("\n")]
     return "\n".join(lines) + "\n"
