@@ -1,11 +1,12 @@
 """Write the metrics to a file node_exporter's textfile collector reads: atomically, coalesced, only on change.
 
-``changed()`` (the metrics' ``on_change`` hook) arms one loop callback if none is armed. The first
-change after a quiet interval is written on the loop's next turn (``call_soon``): a device that goes
-away shows at the next scrape without an added delay, and every change the same event handler makes
-lands in that one write. Later changes wait until ``interval`` has passed since the last write
-(``call_later``), so a burst is written at most about once per interval, ending with the final state.
-Nothing is armed while nothing changes: an idle daemon neither writes nor wakes for metrics.
+``changed()`` (the metrics' ``on_change`` hook) arms one loop timer if none is armed. The first change
+after a quiet interval is written ``FIRST_DELAY`` later (10 ms): a device that goes away shows at the
+next scrape, every change of the same moment lands in that one write, and the write never comes
+between the change and what kubelet is told of it (a ListAndWatch message, an Allocate answer, which
+the loop sends first). Later changes wait until ``interval`` has passed since the last write, so a
+burst is written at most about once per interval, ending with the final state. Nothing is armed while
+nothing changes: an idle daemon neither writes nor wakes for metrics.
 
 A write renders the metrics, writes them to a hidden temp file in the same directory (not ``*.prom``,
 so the collector ignores it), makes it mode 0644 whatever the umask (node_exporter runs as another
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: Minimum seconds between two writes while changes keep coming.
 INTERVAL = 1.0
+#: Delay of the first write after a quiet interval (see the module doc).
+FIRST_DELAY = 0.01
 FILE_MODE = 0o644
 _MISSING_DIR = (errno.ENOENT, errno.ENOTDIR)
 
@@ -73,12 +76,8 @@ class TextfileWriter:
         self._dirty = True
         if not self.enabled or self._handle is not None:
             return
-        loop = asyncio.get_running_loop()
         wait = 0.0 if self._last_write is None else self._last_write + self.interval - time.monotonic()
-        if wait <= 0:
-            self._handle = loop.call_soon(self._scheduled)
-        else:
-            self._handle = loop.call_later(wait, self._scheduled)
+        self._handle = asyncio.get_running_loop().call_later(max(wait, FIRST_DELAY), self._scheduled)
 
     def _scheduled(self) -> None:
         self._handle = None
