@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import logging
@@ -27,7 +28,11 @@ def make_plugin_dir(plugin_dir: str) -> None:
 
 
 class InstanceLock:
-    """An abstract unix socket named after the plugin directory: one daemon per directory."""
+    """An abstract unix socket named after the plugin directory: one daemon per directory.
+
+    Held, it answers each second daemon's probe on the loop (accepted and closed: the prober has read our
+    user at connect), so that refused starts never fill its queue and make it look like someone else's.
+    """
 
     def __init__(self, plugin_dir: str) -> None:
         digest = hashlib.sha256(os.path.realpath(plugin_dir).encode()).hexdigest()[:32]
@@ -35,7 +40,8 @@ class InstanceLock:
         self._sock: socket.socket | None = None
 
     def acquire(self) -> bool:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        """Take the name (False: a daemon of ours holds it). Called on the running loop."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
             sock.bind(self.name)
             sock.listen(8)
@@ -52,7 +58,17 @@ class InstanceLock:
             log.warning("the instance lock name is held by uid %s, not by us; going on without it", uid)
             return True
         self._sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._answer_probes)
         return True
+
+    def _answer_probes(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                peer, _ = self._sock.accept()
+            except OSError:  # none left (EAGAIN), or the prober already gave up
+                return
+            peer.close()
 
     def _holder_uid(self) -> int | None:
         """The user of the process holding the lock name (an ate-devplugd listens on it), if it answers."""
@@ -70,6 +86,7 @@ class InstanceLock:
 
     def release(self) -> None:
         if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
 

@@ -1,0 +1,36 @@
+"""The instance lock: one daemon per plugin directory, however many second daemons were refused."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from ate_devplugd.lock import InstanceLock
+
+
+async def test_refused_starts_never_wear_the_lock_out(tmp_path: Path) -> None:
+    """Each refused start probes the holder (a connect); the holder answers on its loop, so the 30th
+    second daemon is refused as the first was, not taken for a stranger's socket with a full queue."""
+    held = InstanceLock(str(tmp_path))
+    assert held.acquire()
+    try:
+        for _ in range(30):
+            # In a thread, as another process would: the holder's loop runs meanwhile.
+            assert await asyncio.to_thread(InstanceLock(str(tmp_path)).acquire) is False
+    finally:
+        held.release()
+    again = InstanceLock(str(tmp_path))
+    assert again.acquire()
+    again.release()
+
+
+async def test_another_directory_has_its_own_lock(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = InstanceLock(str(tmp_path / "a")), InstanceLock(str(tmp_path / "b"))
+    assert first.acquire()
+    try:
+        assert second.acquire()
+        second.release()
+    finally:
+        first.release()
