@@ -39,6 +39,8 @@ ONE_ATTEMPT = (("grpc.enable_retries", 0),)
 REGISTER_TIMEOUT = float(os.environ.get("ATE_DEVPLUGD_REGISTER_TIMEOUT") or 15.0)
 #: How long our own server may take to answer its first connection.
 SELF_DIAL_TIMEOUT = 5.0
+#: Grace for in-flight RPCs (an Allocate) when a server stops.
+STOP_GRACE = 0.2
 
 
 class SocketInUseError(Exception):
@@ -174,7 +176,7 @@ class PluginServer:
         """Whether the file at our socket path is still the one we bound."""
         return self.identity is not None and FileIdentity.of(self.socket_path) == self.identity
 
-    async def stop(self, grace: float | None = 0.2) -> None:
+    async def stop(self, grace: float | None = STOP_GRACE) -> None:
         """Stop serving (ending ListAndWatch streams) and remove our socket; safe to call twice."""
         server, self._server = self._server, None
         self.servicer.close()

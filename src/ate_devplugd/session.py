@@ -23,9 +23,6 @@ from ate_devplugd.devices import Resource
 from ate_devplugd.kubelet_watch import KubeletWatch, SocketLoss
 from ate_devplugd.metrics import Metrics
 
-#: Grace for in-flight RPCs (an Allocate) when a server stops.
-STOP_GRACE = 0.2
-
 
 class SessionState(enum.Enum):
     """Where a session stands; the text is what STATUS shows."""
@@ -60,10 +57,6 @@ class Backoff:
         return delay
 
 
-class _NewRound(Exception):
-    """Serve anew and register again."""
-
-
 class Session:
     """Keeps ``resource`` served on ``socket_path`` and registered; ``on_state`` hears each state change."""
 
@@ -73,7 +66,7 @@ class Session:
         socket_path: str,
         watch: KubeletWatch,
         on_state: Callable[[], None],
-        metrics: Metrics | None = None,
+        metrics: Metrics,
     ) -> None:
         self.resource = resource
         self.socket_path = socket_path
@@ -83,7 +76,7 @@ class Session:
         self.first_attempt = asyncio.Event()
         self._watch = watch
         self._on_state = on_state
-        self._metrics = metrics or Metrics()
+        self._metrics = metrics
         self._server: endpoint.PluginServer | None = None
         self._kick = asyncio.Event()
         #: The kubelet generation this round was served under, then the one it registered with.
@@ -93,11 +86,6 @@ class Session:
     @property
     def name(self) -> str:
         return self.resource.name
-
-    @property
-    def streams(self) -> int:
-        """kubelet's ListAndWatch streams open on the current server."""
-        return self._server.servicer.streams if self._server is not None else 0
 
     def describe(self) -> str:
         """This resource's part of STATUS."""
@@ -147,27 +135,24 @@ class Session:
 
     async def _round(self, backoff: Backoff) -> float:
         """Serve, register and hold once; the delay before the next round (0 for at once)."""
-        events = self.resource.events
         self._kubelet_generation = self._watch.generation
         try:
             await self._serve()
             await self._register()
             backoff.reset()
             await self._hold()
-        except _NewRound:
-            pass
         except endpoint.SocketGoneError:
             self._log_socket_loss()
         except endpoint.SocketInUseError as exc:
-            events.error("socket-in-use", "%s", exc)
+            self.resource.events.error("socket-in-use", "%s", exc)
             self._set_state(SessionState.SOCKET_IN_USE, str(exc))
             return backoff.next()
         except OSError as exc:
-            events.error("serve-failed", "cannot serve %s on %s: %s", self.name, self.socket_path, exc)
+            self.resource.events.error("serve-failed", "cannot serve %s on %s: %s", self.name, self.socket_path, exc)
             self._set_state(SessionState.CANNOT_SERVE, str(exc.strerror or exc))
             return backoff.next()
         except Exception:  # noqa: BLE001 - the one supervisor boundary: log, back off, start afresh
-            events.error("session-error", "unexpected error serving %s", self.name, exc_info=True)
+            self.resource.events.error("session-error", "unexpected error serving %s", self.name, exc_info=True)
             self._set_state(SessionState.ERROR)
             return backoff.next()
         finally:
@@ -184,7 +169,7 @@ class Session:
     async def _teardown(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(STOP_GRACE)
+            await server.stop()
             self._metrics.set_streams(self.name, 0)
 
     async def _register(self) -> None:
@@ -193,8 +178,7 @@ class Session:
         while True:
             kubelet = self._watch.look()
             if not self._server.socket_is_ours():
-                self._log_socket_loss()
-                raise _NewRound
+                raise endpoint.SocketGoneError(self.socket_path)
             if not kubelet.present:
                 self._set_state(SessionState.WAITING_FOR_KUBELET)
                 self.first_attempt.set()
@@ -229,8 +213,8 @@ class Session:
     def _register_failed(self, exc: grpc.aio.AioRpcError) -> None:
         # kubelet.sock refusing connections is part of every kubelet start (a killed kubelet's socket
         # stays until the new one's wipe; the new one is bound a moment before it listens), and a kubelet
-        # stopping cancels the call in flight: a warning only once that lasts (the tenth attempt, about
-        # 5 s), while an error kubelet answers with (or a deadline it lets pass) is one at once.
+        # stopping cancels the call in flight: a warning only once that lasts (the tenth attempt, after
+        # about 2.5 s of back-off), while an error kubelet answers with (or a deadline it lets pass) is one at once.
         self._failures += 1
         self._metrics.register_failure(self.name)
         transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -257,8 +241,9 @@ class Session:
                 self._log_socket_loss()
                 return
             if kubelet.generation != self._kubelet_generation:
-                events = self.resource.events
-                events.info("kubelet-restart", "kubelet.sock was re-created; registering %s anew", self.name)
+                self.resource.events.info(
+                    "kubelet-restart", "kubelet.sock was re-created; registering %s anew", self.name
+                )
                 return
 
     def _log_socket_loss(self) -> None:
