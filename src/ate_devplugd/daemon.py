@@ -5,10 +5,10 @@ netlink socket; only then look at the devices (each look also writes the device'
 one); then start the mode: device-plugin mode's sessions (``plugins.DevicePlugins``: each serves its
 socket, proves it answers, then registers) or DRA mode's driver (``dra.mode.DraMode``). READY=1 goes out
 once every present device has been served, whether or not kubelet is there; the metrics file follows
-from then on. The main loop sleeps until a signal's flag is set; the only timers are the watchdog ping
-and the metrics file's coalescing delay. Reload applies a config diff: added resources are served,
-removed ones stopped, changed ones keep serving (their new list goes out on the open ListAndWatch
-stream).
+from then on. The main loop sleeps until a signal's flag is set; the only timers are the watchdog ping,
+the sessions' back-off and the metrics file's coalescing delay. Reload applies a config diff: added
+resources are served, removed ones stopped, changed ones keep serving (their new list goes out on the
+open ListAndWatch stream).
 """
 
 from __future__ import annotations
@@ -72,14 +72,14 @@ class Daemon:
         self._registry: DeviceRegistry | None = None
         #: Device-plugin mode's sessions, or DRA mode's driver: what serves the resources to kubelet.
         self._mode: DevicePlugins | DraMode | None = None
-        self._stop = asyncio.Event()
+        self._stop_requested = False
         self._wake = asyncio.Event()
         self._reload_requested = False
         self._ready = False
 
     # -- signals: handlers only set flags --------------------------------------------------------
     def request_stop(self) -> None:
-        self._stop.set()
+        self._stop_requested = True
         self._wake.set()
 
     def request_reload(self) -> None:
@@ -147,9 +147,7 @@ class Daemon:
 
             self._mode = DraMode(self.config.dra, self._registry, self._update_status)
         else:
-            self._mode = DevicePlugins(
-                self.config.plugin_dir, self._registry, self._watch, self._metrics, self._update_status
-            )
+            self._mode = DevicePlugins(self._registry, self._watch, self._metrics, self._update_status)
         await self._mode.start([dev.resource for dev in self.config.devices])
         self._ready = True
         self._notifier.ready(self.status_line())
@@ -189,17 +187,22 @@ class Daemon:
             self._registry.reconcile()
 
     async def _main_loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop_requested:
             await self._wake.wait()
             self._wake.clear()
-            if self._reload_requested and not self._stop.is_set():
+            if self._reload_requested and not self._stop_requested:
                 self._reload_requested = False
+                self._notifier.reloading()
                 try:
-                    await self.reload()
+                    applied = await self.reload()
                 except Exception:  # noqa: BLE001 - a failed reload must not take the running daemon down
                     self._events.error("reload-failed", "reload failed; the daemon keeps running", exc_info=True)
+                    applied = False
+                if applied:
+                    self._metrics.reload()
+                else:
                     self._metrics.reload_failed()
-                    self._notifier.ready(self.status_line())
+                self._notifier.ready(self.status_line())
 
     def _start_watchdog(self) -> asyncio.Task[None] | None:
         interval = watchdog_interval()
@@ -223,17 +226,16 @@ class Daemon:
             self._notifier.status(self.status_line())
 
     # -- reload ----------------------------------------------------------------------------------
-    async def reload(self) -> None:
-        """Apply a re-read config: added resources served, removed ones stopped, changed ones kept serving."""
-        self._notifier.reloading()
+    async def reload(self) -> bool:
+        """Apply a re-read config: added resources served, removed ones stopped, changed ones kept serving.
+
+        False when the new config is refused (the running one is kept)."""
         try:
             new = self._reload_config() if self._reload_config is not None else self.config
         except ConfigError as exc:
             for line in exc.errors:
                 self._events.error("reload-failed", "config error, keeping the running config: %s", line)
-            self._metrics.reload_failed()
-            self._notifier.ready(self.status_line())
-            return
+            return False
         logging.getLogger().setLevel(new.log_level.upper())
         for key in ("plugin_dir", "mode", "dra"):
             if getattr(new, key) != getattr(self.config, key):
@@ -245,9 +247,7 @@ class Daemon:
         for msg in busy:
             self._events.error("reload-failed", "%s; keeping the running config", msg)
         if busy:
-            self._metrics.reload_failed()
-            self._notifier.ready(self.status_line())
-            return
+            return False
         self.config = new
         assert self._mode is not None and self._registry is not None
         await self._mode.stop(change.removed)
@@ -270,5 +270,4 @@ class Daemon:
             len(change.removed),
             len(change.unchanged),
         )
-        self._metrics.reload()
-        self._notifier.ready(self.status_line())
+        return True

@@ -27,13 +27,11 @@ class DevicePlugins:
 
     def __init__(
         self,
-        plugin_dir: str,
         registry: DeviceRegistry,
         watch: KubeletWatch,
         metrics: Metrics,
         on_state: Callable[[], None],
     ) -> None:
-        self._plugin_dir = plugin_dir
         self._registry = registry
         self._watch = watch
         self._metrics = metrics
@@ -46,7 +44,7 @@ class DevicePlugins:
         loop = asyncio.get_running_loop()
         for name in names:
             resource = self._registry.resources[name]
-            socket_path = posixpath.join(self._plugin_dir, resource.config.socket_name)
+            socket_path = posixpath.join(self._watch.plugin_dir, resource.config.socket_name)
             session = Session(resource, socket_path, self._watch, self._on_state, self._metrics)
             self._sessions[name] = session
             self._tasks[name] = loop.create_task(session.run(), name=f"session {name}")
