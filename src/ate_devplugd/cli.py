@@ -1,4 +1,4 @@
-"""Command line: ``ate-devplugd [run] | check-config | probe``."""
+"""Command line: ``ate-devplugd [run] | check-config | probe | dra-manifests``."""
 
 from __future__ import annotations
 
@@ -114,12 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = configmod.load(args.config)
         if args.command == "run":
-            overrides = {
-                "plugin_dir": args.plugin_dir,
-                "dev_root": args.dev_root,
-                "log_level": args.log_level,
-            }
-            cfg = cfg.with_overrides(**overrides)
+            cfg = cfg.with_overrides(**_run_overrides(args))
         elif args.command == "probe" and args.plugin_dir:
             cfg = cfg.with_overrides(plugin_dir=args.plugin_dir)
     except ConfigError as exc:
@@ -135,13 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     return _run(cfg, args, early)
 
 
+def _run_overrides(args: argparse.Namespace) -> dict[str, str | None]:
+    """What `run`'s options set over the file (None: not given)."""
+    return {"plugin_dir": args.plugin_dir, "dev_root": args.dev_root, "log_level": args.log_level}
+
+
 def _dra_manifests(cfg: configmod.Config, *, with_access: bool) -> int:
     from ate_devplugd.dra import config as dra_config  # noqa: PLC0415 - PyYAML only for this command
     from ate_devplugd.dra import manifests  # noqa: PLC0415
 
     dra = cfg.dra or dra_config.from_mapping(None)[0]
     text = manifests.render(dra, [dev.resource for dev in cfg.devices], with_access=with_access)
-    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.write(text)
     return os.EX_OK
 
 
@@ -201,10 +201,9 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
 
     setup_logging(args.log_target, cfg.log_level)
     log = logging.getLogger("ate_devplugd")
-    overrides = {"plugin_dir": args.plugin_dir, "dev_root": args.dev_root, "log_level": args.log_level}
 
     def reload_config() -> configmod.Config:
-        return configmod.load(args.config).with_overrides(**overrides)
+        return configmod.load(args.config).with_overrides(**_run_overrides(args))
 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
     if early.stop:
