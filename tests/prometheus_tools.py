@@ -20,7 +20,15 @@ import pytest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from ate_devplugd import inotify
+from tests.fakes.filewait import (
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_MODIFY,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    DirWatch,
+)
 
 REQUIRE_ENV = "ATE_REQUIRE_PROMETHEUS_TOOLS"
 NODE_EXPORTER = "prometheus-node-exporter"
@@ -167,29 +175,32 @@ async def promtool(*args: str, stdin: bytes | None = None, timeout: float = 30.0
 
 
 class FileEvents:
-    """Real inotify on a directory (the daemon's own DirWatcher): the events about one file name, queued;
-    renames onto it counted."""
+    """Real inotify on a directory, on the loop: the events about one file name, queued; renames onto it
+    counted."""
 
     def __init__(self, directory: Path, name: str) -> None:
         self.name = name
         self.queue: asyncio.Queue[int] = asyncio.Queue()
         self.renames = 0
-        self._watch = inotify.DirWatcher(str(directory), self._on_events, written=True)
-        self._watch.start()
+        mask = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_MODIFY | IN_CLOSE_WRITE
+        self._watch = DirWatch(directory, mask)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._watch.fd, self._on_events)
 
-    def _on_events(self, events: list[inotify.DirEvent]) -> None:
-        for event in events:
-            if event.name == self.name:
-                self.renames += bool(event.mask & inotify.IN_MOVED_TO)
-                self.queue.put_nowait(event.mask)
+    def _on_events(self) -> None:
+        for mask, name in self._watch.events():
+            if name == self.name:
+                self.renames += bool(mask & IN_MOVED_TO)
+                self.queue.put_nowait(mask)
 
     async def renamed(self, timeout: float = 5.0) -> None:
         """Wait for the next rename onto the file; any other event on its name fails the test."""
         async with asyncio.timeout(timeout):
             mask = await self.queue.get()
-        assert mask == inotify.IN_MOVED_TO, f"the file itself was written in place (mask {mask:#x})"
+        assert mask == IN_MOVED_TO, f"the file itself was written in place (mask {mask:#x})"
 
     def close(self) -> None:
+        self._loop.remove_reader(self._watch.fd)
         self._watch.close()
 
 

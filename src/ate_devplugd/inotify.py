@@ -15,12 +15,11 @@ import os
 import posixpath
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 IN_MODIFY = 0x00000002
-IN_CLOSE_WRITE = 0x00000008
 IN_ATTRIB = 0x00000004
 IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
@@ -45,13 +44,11 @@ class DirEvent:
     """Something happened in or to the watched directory.
 
     ``kind`` is ``created`` or ``removed`` (with ``name``), ``dir-gone``, ``dir-back`` or ``overflow``
-    (events were lost: re-read everything); with ``written=True``, also ``written`` (a file's content
-    changed in place). ``mask`` is inotify's own (``IN_MOVED_TO`` for a rename onto ``name``).
+    (events were lost: re-read everything).
     """
 
     kind: str
     name: str = ""
-    mask: int = field(default=0, compare=False)
 
 
 class _Libc:
@@ -79,13 +76,11 @@ def _lib() -> _Libc:
 
 
 class DirWatcher:
-    """Watch ``path`` for entries created and removed (and, ``written=True``, files written in place);
-    call ``callback`` with each batch of events."""
+    """Watch ``path`` for entries created and removed; call ``callback`` with each batch of events."""
 
-    def __init__(self, path: str, callback: Callable[[list[DirEvent]], None], *, written: bool = False) -> None:
+    def __init__(self, path: str, callback: Callable[[list[DirEvent]], None]) -> None:
         self.path = posixpath.normpath(path)
         self._callback = callback
-        self._mask = _DIR_MASK | (IN_MODIFY | IN_CLOSE_WRITE if written else 0)
         self._fd = -1
         self._wd = -1
         self._ancestor_wd = -1
@@ -126,7 +121,7 @@ class DirWatcher:
             _lib().rm_watch(self._fd, self._ancestor_wd)
             self._ancestor_wd = -1
         try:
-            self._wd = self._add(self.path, self._mask)
+            self._wd = self._add(self.path, _DIR_MASK)
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
                 raise
@@ -178,11 +173,9 @@ class DirWatcher:
                         self.watching = False
                         rearm = True
                     elif mask & (IN_CREATE | IN_MOVED_TO):
-                        events.append(DirEvent("created", name, mask))
+                        events.append(DirEvent("created", name))
                     elif mask & (IN_DELETE | IN_MOVED_FROM):
-                        events.append(DirEvent("removed", name, mask))
-                    elif mask & (IN_MODIFY | IN_CLOSE_WRITE):
-                        events.append(DirEvent("written", name, mask))
+                        events.append(DirEvent("removed", name))
                 elif wd == self._ancestor_wd:
                     rearm = True
         if rearm and not self.watching:
