@@ -62,10 +62,6 @@ class TextfileWriter:
         """True while a write is scheduled (never while nothing changed since the last one)."""
         return self._handle is not None
 
-    @property
-    def temp_path(self) -> str:
-        return atomicfile.temp_path(self.path)
-
     def start(self) -> None:
         """Write the initial state soon (call on the running loop)."""
         if self.enabled:
@@ -83,26 +79,32 @@ class TextfileWriter:
         self._handle = None
         self.flush()
 
-    def flush(self) -> None:
-        """Write now if anything changed since the last write (and the writer is on)."""
+    def _cancel(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def _remove_written(self) -> None:
+        if self._written_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self._written_path)
+            self._written_path = ""
+
+    def flush(self) -> None:
+        """Write now if anything changed since the last write (and the writer is on)."""
+        self._cancel()
         if not (self.enabled and self._dirty):
             return
         self._dirty = False
         self._last_write = time.monotonic()
         try:
-            self._write(self._render())
+            # 0644 whatever the umask: the unit's UMask=0077 would leave it unreadable to node_exporter
+            atomicfile.replace_file(self.path, self._render(), FILE_MODE)
         except OSError as exc:
             self._turn_off(exc)
             return
         self.writes += 1
         self._written_path = self.path
-
-    def _write(self, data: bytes) -> None:
-        # 0644 whatever the umask: the unit's UMask=0077 would leave it unreadable to node_exporter
-        atomicfile.replace_file(self.path, data, FILE_MODE)
 
     def _turn_off(self, exc: OSError) -> None:
         self.enabled = False
@@ -127,26 +129,18 @@ class TextfileWriter:
 
         An empty path turns metrics off. A file written under another path before is removed.
         """
-        if self._written_path and self._written_path != path:
-            with contextlib.suppress(OSError):
-                os.unlink(self._written_path)
-            self._written_path = ""
+        if self._written_path != path:
+            self._remove_written()
         self.path = path
         self.enabled = bool(path)
         if not self.enabled:
-            if self._handle is not None:
-                self._handle.cancel()
-                self._handle = None
+            self._cancel()
             return
         self.changed()
 
     def close(self, *, remove: bool = True) -> None:
         """Stop writing; with ``remove``, delete the file so a stopped daemon leaves no stale values."""
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self._cancel()
         self.enabled = False
-        if remove and self._written_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self._written_path)
-            self._written_path = ""
+        if remove:
+            self._remove_written()

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from ate_devplugd import __version__, config
+from ate_devplugd import __version__, atomicfile, config
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
 from ate_devplugd.textfile import TextfileWriter
 from tests.prometheus_tools import watching
@@ -458,7 +458,7 @@ class TestTextfileWriter:
         victim = tmp_path / "victim"
         victim.write_text("keep")
         metrics, writer = make_writer(path)
-        os.symlink(victim, writer.temp_path)
+        os.symlink(victim, atomicfile.temp_path(writer.path))
         with watching(tmp_path, path.name) as events:
             writer.start()
             await events.renamed()
