@@ -1,7 +1,9 @@
 """Configuration: a TOML file, validated field by field into frozen dataclasses.
 
-Nothing here touches the file system beyond reading the one file; every error names the key, the
-``[[device]]`` table it sits in and the bad value, and all errors are reported together.
+Nothing here touches the file system beyond reading the one file (a group name in ``container_gid``
+is looked up in the host's group database, and DRA mode's default node name is the host name); every
+error names the key, the ``[[device]]`` table it sits in and the bad value, and all errors are
+reported together.
 """
 
 from __future__ import annotations
@@ -152,9 +154,10 @@ def from_mapping(
     if devices is not None:
         top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
     if mode == "dra" and not errors:
+        from ate_devplugd.cdi import qualified_name  # noqa: PLC0415
         from ate_devplugd.dra.pools import DraResource, build_pools  # noqa: PLC0415
 
-        offered = [DraResource(dev.resource, f"{dev.resource}={dev.cdi_name}") for dev in top["devices"]]
+        offered = [DraResource(dev.resource, qualified_name(dev)) for dev in top["devices"]]
         errors.extend(build_pools(top["dra"], offered)[1])
     if errors:
         raise ConfigError(errors)

@@ -72,6 +72,11 @@ class DeviceConfig:
         return posixpath.basename(self.path) + "-"
 
     @property
+    def longest_id_len(self) -> int:
+        """The length of the last unit's ID, the longest."""
+        return len(self.id_prefix) + len(str(self.count - 1))
+
+    @property
     def cdi_name(self) -> str:
         """The CDI device name: the node's file name (``kvm``); qualified, ``ate.dev/kvm=kvm``."""
         return posixpath.basename(self.path)
@@ -98,8 +103,7 @@ def listandwatch_bytes(dev: DeviceConfig) -> int:
     Each Device is a length-delimited entry holding the ID and the health string; counted with the
     longest health string ("Unhealthy") and 2-byte length prefixes, so the estimate never falls short.
     """
-    longest_id = len(dev.id_prefix) + len(str(dev.count - 1))
-    per_device = 1 + 2 + (1 + 1 + longest_id) + (1 + 1 + len("Unhealthy"))
+    per_device = 1 + 2 + (1 + 1 + dev.longest_id_len) + (1 + 1 + len("Unhealthy"))
     return dev.count * per_device
 
 
@@ -111,8 +115,7 @@ def max_request_bytes(dev: DeviceConfig) -> int:
     3-byte framing per ID, plus 64 KiB: far above anything kubelet sends, and far below gRPC's default
     4 MiB, whose decoded ID lists would cost the daemon a hundred MiB or more.
     """
-    longest_id = len(dev.id_prefix) + len(str(dev.count - 1))
-    return 64 * 1024 + 4 * dev.count * (3 + longest_id)
+    return 64 * 1024 + 4 * dev.count * (3 + dev.longest_id_len)
 
 
 def tables(
@@ -193,12 +196,13 @@ def _device(where: str, table: dict[str, Any], errors: list[str], gid_of: GroupL
         subsystem=subsystem,
         **cdi,
     )
-    if len(dev.id_prefix) + len(str(count - 1)) > 63:
+    if dev.longest_id_len > 63:
         errors.append(f"{where}: path: {path!r} makes device IDs longer than kubelet's 63 characters")
         return None
-    if listandwatch_bytes(dev) > MAX_MESSAGE_BYTES:
+    message_bytes = listandwatch_bytes(dev)
+    if message_bytes > MAX_MESSAGE_BYTES:
         errors.append(
-            f"{where}: count: {count} makes one ListAndWatch message about {listandwatch_bytes(dev)} bytes; "
+            f"{where}: count: {count} makes one ListAndWatch message about {message_bytes} bytes; "
             f"the limit is {MAX_MESSAGE_BYTES} (half of kubelet's 4 MiB)"
         )
         return None
