@@ -202,20 +202,20 @@ class DeviceRegistry:
         self.resources = {}
         for dev in devices:
             resource = current.get(dev.resource)
-            if resource is None or resource.config != dev:
-                self._preopen(dev)
             if resource is None:
                 resource = Resource(dev)
+                self._preopen(resource)
             elif resource.config != dev:
                 resource.replace_config(dev)
+                self._preopen(resource)
             self.resources[dev.resource] = resource
         self.reconcile()
 
-    def _preopen(self, dev: DeviceConfig) -> None:
-        if dev.preopen:
-            failure = preopen(dev, self.dev_root, self._kernel)
+    def _preopen(self, resource: Resource) -> None:
+        if resource.config.preopen:
+            failure = preopen(resource.config, self.dev_root, self._kernel)
             if failure:
-                EventLog(log, resource=dev.resource, device=dev.path).warning("preopen-failed", "%s", failure)
+                resource.events.warning("preopen-failed", "%s", failure)
 
     def reconcile(self) -> None:
         """Look at every device again; log what changed, and tell ``on_look``."""
