@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.pools import RESOURCE_ATTRIBUTE, class_name
+from ate_devplugd.dra.pools import API_VERSION, RESOURCE_ATTRIBUTE, class_name
 
 SERVICE_ACCOUNT = ("ate-devplugd", "ate-devplugd")  # namespace, name
 _NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
@@ -27,7 +27,7 @@ def device_class(config: DraConfig, resource: str) -> dict[str, Any]:
         f'device.attributes["{config.driver}"].{RESOURCE_ATTRIBUTE} == "{resource}"'
     )
     return {
-        "apiVersion": "resource.k8s.io/v1",
+        "apiVersion": API_VERSION,
         "kind": "DeviceClass",
         "metadata": {"name": class_name(resource), "labels": {"app.kubernetes.io/managed-by": "ate-devplugd"}},
         "spec": {"selectors": [{"cel": {"expression": expression}}], "extendedResourceName": resource},

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.dra.config import DraConfig, is_dns_subdomain
+from ate_devplugd.dra.config import MAX_DEVICES, DraConfig, is_dns_subdomain
 
 API_VERSION = "resource.k8s.io/v1"
 #: The device attribute naming the resource; unqualified, so it lives in the driver's domain.
@@ -81,8 +81,8 @@ def build_pools(config: DraConfig, resources: Sequence[DraResource]) -> tuple[li
         where = f"dra: resource {res.name!r}"
         if len(res.name) > MAX_ATTRIBUTE_STRING:
             errors.append(f"{where}: longer than {MAX_ATTRIBUTE_STRING} characters (a device attribute's limit)")
-        elif not 1 <= units <= 128:
-            errors.append(f"{where}: {units} devices; a slice holds 1 to 128")
+        elif not 1 <= units <= MAX_DEVICES:
+            errors.append(f"{where}: {units} devices; a slice holds 1 to {MAX_DEVICES}")
         elif len(base) + len(str(units - 1)) + 1 > 63:
             errors.append(f"{where}: its device names would be longer than 63 characters")
         elif len(name) > 253 or not all(is_dns_subdomain(part) for part in name.split("/")):
