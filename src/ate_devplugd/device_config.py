@@ -94,7 +94,12 @@ def is_extended_resource_name(name: str) -> bool:
     prefix, _, rest = ("requests." + name).partition("/")
     if "/" in rest or not rest or len(rest) > 63 or not _QUALIFIED_NAME.match(rest):
         return False
-    return len(prefix) <= 253 and bool(_DNS_SUBDOMAIN.match(prefix))
+    return is_dns_subdomain(prefix)
+
+
+def is_dns_subdomain(value: str, max_len: int = 253) -> bool:
+    """A lowercase DNS subdomain (RFC 1123) of at most ``max_len`` characters."""
+    return 0 < len(value) <= max_len and bool(_DNS_SUBDOMAIN.match(value))
 
 
 def listandwatch_bytes(dev: DeviceConfig) -> int:

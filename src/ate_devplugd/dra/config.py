@@ -7,11 +7,12 @@ names the key and the bad value, and all errors are returned together.
 from __future__ import annotations
 
 import posixpath
-import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ate_devplugd.device_config import is_dns_subdomain, toml_str
 
 MODES = ("device-plugin", "dra")
 SHARING = ("units", "shared")
@@ -23,9 +24,6 @@ MAX_DEVICES = 128
 DEFAULT_DEVICES = 128
 #: sun_path is 108 bytes with its NUL.
 MAX_SOCKET_PATH = 107
-
-_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*\Z")
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,6 @@ class DraConfig:
     def registration_socket(self) -> str:
         """Where kubelet's plugin watcher finds us: ``<kubelet_dir>/plugins_registry/<driver>-reg.sock``."""
         return posixpath.join(self.kubelet_dir, "plugins_registry", self.driver + "-reg.sock")
-
-
-def is_dns_subdomain(value: str, max_len: int = 253) -> bool:
-    return 0 < len(value) <= max_len and bool(_DNS_SUBDOMAIN.match(value))
 
 
 def kubelet_hostname(gethostname: Callable[[], str] = socket.gethostname) -> str:
@@ -139,15 +133,10 @@ def render(config: DraConfig) -> str:
         "[dra]",
         f'driver = "{config.driver}"',
         f'node_name = "{config.node_name}"',
-        f"kubeconfig = {_toml_str(config.kubeconfig)}",
-        f"kubelet_dir = {_toml_str(config.kubelet_dir)}",
+        f"kubeconfig = {toml_str(config.kubeconfig)}",
+        f"kubelet_dir = {toml_str(config.kubelet_dir)}",
         f'sharing = "{config.sharing}"',
     ]
     if config.sharing == "units":
         lines.append(f"devices = {config.devices}")
     return "\n".join(lines) + "\n"
-
-
-def _toml_str(value: str) -> str:
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + "".join(c if c.isprintable() else f"\\U{ord(c):08x}" for c in escaped) + '"'

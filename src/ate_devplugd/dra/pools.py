@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.dra.config import MAX_DEVICES, DraConfig, is_dns_subdomain
+from ate_devplugd.device_config import is_dns_subdomain
+from ate_devplugd.dra.config import MAX_DEVICES, DraConfig
 
 API_VERSION = "resource.k8s.io/v1"
 #: The device attribute naming the resource; unqualified, so it lives in the driver's domain.
