@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
+from ate_devplugd.config import ConfigError
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.driver import DraDriver, KubeletState
 from ate_devplugd.dra.pools import DraResource
@@ -197,6 +198,12 @@ class TestHealthStream:
         driver = DraDriver(DraConfig(node_name=NODE), [KVM])
         with pytest.raises(KeyError):
             driver.set_health("ate.dev/other", False)
+
+    def test_unpublishable_resource_is_a_config_error(self) -> None:
+        """A resource DRA cannot publish (a name too long for a device attribute) is refused at once."""
+        long_name = DraResource("ate.dev/" + "k" * 60, "ate.dev/kvm=kvm")
+        with pytest.raises(ConfigError, match="longer than 64 characters"):
+            DraDriver(DraConfig(node_name=NODE), [long_name])
 
 
 async def asyncio_get(

@@ -22,6 +22,7 @@ from ate_devplugd._pb.dra.v1 import api_pb2_grpc as v1_grpc
 from ate_devplugd._pb.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from ate_devplugd.config import ConfigError
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import DraResource, build_pools
@@ -37,14 +38,6 @@ from ate_devplugd.dra.slices import SlicePublisher, SliceState
 from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
-
-
-class DraSetupError(Exception):
-    """The resources cannot be published through DRA; one line per problem."""
-
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("\n".join(errors))
-        self.errors = errors
 
 
 class KubeletState(enum.Enum):
@@ -95,7 +88,7 @@ class DraDriver:
     ) -> None:
         pools, errors = build_pools(config, resources)
         if errors:
-            raise DraSetupError(errors)
+            raise ConfigError(errors)  # config.parse makes the same check: only a caller bypassing it gets here
         self.config = config
         self.pools = pools
         self._on_status = on_status
