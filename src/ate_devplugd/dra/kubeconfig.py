@@ -1,8 +1,9 @@
 """Read a kubeconfig (kubelet's own ``kubelet.conf`` by default) into what an HTTPS client needs.
 
-It is read again for every connection attempt: kubelet rotates its client certificate in place, and
-an administrator may fix a broken file while the daemon keeps retrying. Certificates given inline
-(``*-data``) are handed to OpenSSL through memfds, never written to disk.
+The slice publisher reads it once per session, so again at every retry and every watch renewal:
+kubelet rotates its client certificate in place, and an administrator may fix a broken file while
+the daemon keeps retrying. Certificates given inline (``*-data``) are handed to OpenSSL through
+memfds, never written to disk.
 """
 
 from __future__ import annotations
