@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ate_devplugd.dra import kubeconfig
-from tests.fakes.certs import make_pki
+from tests.fakes.certs import Pki, make_pki
 
 
 def write(path: Path, cluster: dict[str, Any], user: dict[str, Any], **top: Any) -> str:
@@ -66,6 +66,50 @@ class TestLoad:
         assert kubeconfig.load(path).ssl_context is None
 
 
+def handshake(client: ssl.SSLContext, pki: Pki) -> None:
+    """A TLS handshake in memory between ``client`` and a server with ``pki``'s certificate for 127.0.0.1."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(pki.server_cert, pki.server_key)
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    c = client.wrap_bio(to_client, to_server, server_hostname="127.0.0.1")
+    s = server.wrap_bio(to_server, to_client, server_side=True)
+    done = set()
+    for _ in range(10):
+        for end in (c, s):
+            if end not in done:
+                try:
+                    end.do_handshake()
+                    done.add(end)
+                except ssl.SSLWantReadError:
+                    pass
+        if c in done:
+            return
+    raise AssertionError("the handshake did not finish")
+
+
+class TestTrust:
+    def test_named_ca_trusted_alone(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A kubeconfig naming a CA trusts that CA alone: a server certificate of another CA is refused,
+        even one the system trusts."""
+        ours, other = make_pki(tmp_path / "ours"), make_pki(tmp_path / "other")
+        monkeypatch.setenv("SSL_CERT_FILE", str(other.ca))  # the system's trust store: the other CA
+        path = write(tmp_path / "kc", {"server": "https://127.0.0.1:6443", "certificate-authority": str(ours.ca)}, {})
+        context = kubeconfig.load(path).ssl_context
+        assert context is not None and context.check_hostname
+        assert [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "ate-devplugd test CA"),),)]
+        handshake(context, ours)
+        with pytest.raises(ssl.SSLCertVerificationError):
+            handshake(context, other)
+
+    def test_no_ca_trusts_the_system(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Without a CA in the kubeconfig, the system's CAs are trusted."""
+        system = make_pki(tmp_path / "system")
+        monkeypatch.setenv("SSL_CERT_FILE", str(system.ca))
+        context = kubeconfig.load(write(tmp_path / "kc", {"server": "https://127.0.0.1:6443"}, {})).ssl_context
+        assert context is not None
+        handshake(context, system)
+
+
 class TestErrors:
     @pytest.mark.parametrize(
         ("cluster", "user", "expected"),
@@ -103,6 +147,13 @@ class TestErrors:
         """A current-context that names nothing is reported."""
         path = write(tmp_path / "kc", {"server": "https://h"}, {}, **{"current-context": "other"})
         with pytest.raises(kubeconfig.KubeconfigError, match="context 'other'"):
+            kubeconfig.load(path)
+
+    def test_empty_ca_file(self, tmp_path: Path) -> None:
+        """An empty CA file is an error naming the field, not a fall-back to the system's CAs."""
+        (tmp_path / "ca.crt").write_text("")
+        path = write(tmp_path / "kc", {"server": "https://h", "certificate-authority": "ca.crt"}, {})
+        with pytest.raises(kubeconfig.KubeconfigError, match="certificate-authority: not a PEM certificate"):
             kubeconfig.load(path)
 
     def test_key_without_certificate(self, tmp_path: Path) -> None:
