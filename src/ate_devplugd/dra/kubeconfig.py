@@ -34,7 +34,6 @@ class Credentials:
     server: str
     ssl_context: ssl.SSLContext | None
     headers: Mapping[str, str] = field(default_factory=dict)
-    source: str = ""
 
 
 def load(path: str) -> Credentials:
@@ -87,7 +86,7 @@ def _credentials(path: str, doc: Mapping[str, Any]) -> Credentials:
     base = posixpath.dirname(posixpath.abspath(path))
     headers = _auth_headers(path, base, user)
     if server.startswith("http://"):
-        return Credentials(server.rstrip("/"), None, headers, path)
+        return Credentials(server.rstrip("/"), None, headers)
     context_ssl = _server_trust(path, base, cluster)
     cert = _pem(path, base, user, "client-certificate")
     key = _pem(path, base, user, "client-key")
@@ -99,7 +98,7 @@ def _credentials(path: str, doc: Mapping[str, Any]) -> Credentials:
                 context_ssl.load_cert_chain(cert_path, key_path)
             except ssl.SSLError as exc:
                 raise KubeconfigError(f"{path}: user: client certificate or key unusable ({exc.reason})") from None
-    return Credentials(server.rstrip("/"), context_ssl, headers, path)
+    return Credentials(server.rstrip("/"), context_ssl, headers)
 
 
 def _server_trust(path: str, base: str, cluster: Mapping[str, Any]) -> ssl.SSLContext:

@@ -99,7 +99,6 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
         self._present = present
         self._closing = closing
         self._changed = asyncio.Event()
-        self.streams = 0
 
     def changed(self) -> None:
         """Wake every open stream (the health of some resource changed)."""
@@ -129,7 +128,6 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
         self, request: health_pb2.NodeWatchResourcesRequest, context: Context
     ) -> AsyncIterator[health_pb2.NodeWatchResourcesResponse]:
         # Ends only when kubelet cancels (CancelledError, left to propagate) or the driver stops.
-        self.streams += 1
         closing = asyncio.ensure_future(self._closing.wait())
         try:
             while not self._closing.is_set():
@@ -142,7 +140,6 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
                     waiter.cancel()
         finally:
             closing.cancel()
-            self.streams -= 1
 
 
 class RegistrationServicer(reg_grpc.RegistrationServicer):

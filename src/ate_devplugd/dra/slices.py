@@ -64,7 +64,6 @@ class SlicePublisher:
         self.state = SliceState.WAITING
         self.detail = ""
         self.sharing_dropped = False
-        self.attempts = 0
         self._published = False
         self.client: ApiClient | None = None
         self._wake = asyncio.Event()
@@ -102,7 +101,6 @@ class SlicePublisher:
         delay = self._backoff[0]
         reported = ""
         while True:
-            self.attempts += 1
             self._published = False
             try:
                 await self._session()
@@ -163,17 +161,16 @@ class SlicePublisher:
         self._node_uid = str(node.get("metadata", {}).get("uid", ""))
 
     async def _watch(self, client: ApiClient, selector: str) -> None:
-        while True:
-            params = {
-                "fieldSelector": selector,
-                "resourceVersion": self._resource_version,
-                "allowWatchBookmarks": "true",
-                "timeoutSeconds": str(WATCH_SECONDS),
-            }
-            async for event in client.watch(SLICES, params):
-                self._on_event(event)
-            # A watch the server ended in time: renew it, with credentials read again.
-            raise _Expired
+        params = {
+            "fieldSelector": selector,
+            "resourceVersion": self._resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_SECONDS),
+        }
+        async for event in client.watch(SLICES, params):
+            self._on_event(event)
+        # A watch the server ended in time: renew it, with credentials read again.
+        raise _Expired
 
     def _on_event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
