@@ -7,7 +7,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from ate_devplugd.dra import kubeconfig
+import pytest
+
+from ate_devplugd.dra import kubeconfig, slices
 from ate_devplugd.dra.driver import DraDriver, DraStatus
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.slices import SliceState
@@ -150,6 +152,17 @@ class TestHealth:
             _, obj = await r.api.next_change("MODIFIED")
             assert obj["spec"]["devices"] == []
             assert r.api.forbidden_answers == 3
+
+    async def test_creates_forgotten_after_the_lag(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A create is remembered only while the authorizer may lag behind it, not for every republish."""
+        monkeypatch.setattr(slices, "GRAPH_LAG", 0.0)
+        async with rig() as r:
+            await r.api.next_change("ADDED")
+            for _ in range(3):
+                r.api.kubelet_restarted()
+                await r.api.next_change("DELETED")
+                await r.api.next_change("ADDED")
+            assert len(r.driver.publisher._created) == 1
 
 
 class TestSharing:

@@ -231,7 +231,9 @@ class SlicePublisher:
         body = pools.new_slice(self.config, pool, self._next_generation(pool), present, self._node_uid)
         stored = await client.request("POST", SLICES, body)
         name = stored["metadata"]["name"]
-        self._created[name] = time.monotonic()
+        now = time.monotonic()
+        self._created = {n: t for n, t in self._created.items() if now - t <= GRAPH_LAG}  # older: moot
+        self._created[name] = now
         self._slices[name] = stored
         self._deleted.discard(pool.name)
         self._check_stored(pool, stored)
