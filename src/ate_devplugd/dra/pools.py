@@ -119,6 +119,11 @@ def slice_spec(config: DraConfig, pool: Pool, generation: int, present: bool) ->
     }
 
 
+def owner_refs(config: DraConfig, node_uid: str) -> list[dict[str, Any]]:
+    """The Node as a slice's controlling owner: the garbage collector deletes the slice with it."""
+    return [{"apiVersion": "v1", "kind": "Node", "name": config.node_name, "uid": node_uid, "controller": True}]
+
+
 def new_slice(config: DraConfig, pool: Pool, generation: int, present: bool, node_uid: str) -> dict[str, Any]:
     """A ResourceSlice to create: a generated name, the Node as its controlling owner."""
     return {
@@ -126,9 +131,7 @@ def new_slice(config: DraConfig, pool: Pool, generation: int, present: bool, nod
         "kind": "ResourceSlice",
         "metadata": {
             "generateName": f"{config.node_name}-{config.driver}-"[:200],
-            "ownerReferences": [
-                {"apiVersion": "v1", "kind": "Node", "name": config.node_name, "uid": node_uid, "controller": True}
-            ],
+            "ownerReferences": owner_refs(config, node_uid),
         },
         "spec": slice_spec(config, pool, generation, present),
     }

@@ -79,7 +79,7 @@ class SlicePublisher:
     @property
     def published_devices(self) -> int:
         by_pool = {pools.pool_of(obj)[0]: obj for obj in self._slices.values()}
-        return sum(len(by_pool[p.name].get("spec", {}).get("devices") or []) for p in self.pools if p.name in by_pool)
+        return sum(_count(by_pool[p.name]) for p in self.pools if p.name in by_pool)
 
     def set_present(self, resource: str, present: bool) -> None:
         """The resource's device node appeared or vanished: its pool is written again."""
@@ -244,12 +244,7 @@ class SlicePublisher:
     async def _update(self, client: ApiClient, pool: Pool, obj: dict[str, Any], present: bool) -> None:
         name = obj["metadata"]["name"]
         body = dict(obj)
-        body["metadata"] = {
-            **obj["metadata"],
-            "ownerReferences": pools.new_slice(self.config, pool, 0, present, self._node_uid)["metadata"][
-                "ownerReferences"
-            ],
-        }
+        body["metadata"] = {**obj["metadata"], "ownerReferences": pools.owner_refs(self.config, self._node_uid)}
         body["spec"] = pools.slice_spec(self.config, pool, self._next_generation(pool), present)
         stored = await self._retry_forbidden(name, lambda: client.request("PUT", slice_path(name), body))
         self._slices[name] = stored
