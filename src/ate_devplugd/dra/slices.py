@@ -22,6 +22,7 @@ from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailab
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
+from ate_devplugd.session import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class SlicePublisher:
 
     async def run(self) -> None:
         """Sessions until cancelled, with a back-off after each failed one."""
-        delay = self._backoff[0]
+        backoff = Backoff(*self._backoff)
         reported = ""
         while True:
             self._published = False
@@ -114,20 +115,23 @@ class SlicePublisher:
                     log.debug("dra: kubeconfig still unusable: %s", message)
                 reported = message
                 self._set_state(SliceState.KUBECONFIG_ERROR, message)
+                delay = backoff.next()
             except (ApiError, ApiUnavailable) as exc:
                 message = str(exc)
                 if self._published:  # the session worked for a while: a fresh failure, a fresh back-off
-                    delay, reported = self._backoff[0], ""
+                    backoff.reset()
+                    reported = ""
+                delay = backoff.next()
                 level = logging.DEBUG if message == reported else logging.WARNING
                 log.log(level, "dra: API server: %s (retrying in %.2f s)", message, delay)
                 reported = message
                 self._set_state(SliceState.API_ERROR, message)
             except Exception:  # the one boundary of this supervised task: log, back off, retry
+                delay = backoff.next()
                 log.exception("dra: the slice publisher failed (retrying in %.2f s)", delay)
                 reported = ""
                 self._set_state(SliceState.API_ERROR, "internal error (see the log)")
             await asyncio.sleep(delay)  # back-off between failed sessions, not a poll
-            delay = min(delay * 2, self._backoff[1])
 
     async def _session(self) -> None:
         client = ApiClient(self._load(self.config.kubeconfig))
@@ -273,7 +277,7 @@ class SlicePublisher:
 
     async def _retry_forbidden(self, name: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """``call``, retrying a 403 that follows our own create of ``name`` (the authorizer lags)."""
-        delay = 0.02
+        backoff = Backoff(0.02, 0.5)
         while True:
             try:
                 return await call()
@@ -281,9 +285,9 @@ class SlicePublisher:
                 created = self._created.get(name)
                 if exc.status != 403 or created is None or time.monotonic() - created > GRAPH_LAG:
                     raise
+                delay = backoff.next()
                 log.debug("dra: slice %s not yet known to the node authorizer; retrying in %.2f s", name, delay)
             await asyncio.sleep(delay)  # back-off for the authorizer's graph, not a poll
-            delay = min(delay * 2, 0.5)
 
     def _check_stored(self, pool: Pool, stored: dict[str, Any]) -> None:
         """Read back what the apiserver stored: a shared device it made exclusive means the gate is off."""
