@@ -44,6 +44,7 @@ class TestPublish:
                 "controller": True,
             }
             assert len(r.log.events("dra-slice-published")) == 2
+            assert r.api.requests.count(f"GET /api/v1/nodes/{NODE}") == 1  # the session's own, not one per pool
 
     async def test_list_and_watch_scoped_to_node(self) -> None:
         """List and watch carry the field selectors the node authorizer demands, and the watch asks for bookmarks."""

@@ -231,7 +231,8 @@ class SlicePublisher:
 
     async def _create(self, client: ApiClient, pool: Pool, present: bool) -> None:
         republish = pool.name in self._deleted
-        await self._refresh_node(client)  # a recreated Node has a new uid
+        if republish:
+            await self._refresh_node(client)  # deleted with a recreated Node? The new one has a new uid.
         body = pools.new_slice(self.config, pool, self._next_generation(pool), present, self._node_uid)
         stored = await client.request("POST", SLICES, body)
         name = stored["metadata"]["name"]
