@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from ate_devplugd.config import ConfigError
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.driver import DraDriver, KubeletState
 from ate_devplugd.dra.pools import DraResource
+from ate_devplugd.endpoint import FileIdentity, SocketInUseError
 from tests.integration.dra_rig import KVM, NODE, rig
 
 DRIVER = "kvm.ate.dev"
@@ -85,6 +88,30 @@ class TestRegistration:
                 Path(path).write_text("stale")
             await r.driver.start()
             assert (await r.kubelet.next_event("registered")).name == DRIVER
+
+    async def test_live_socket_of_another_process_kept(self) -> None:
+        """A socket another process serves on is neither removed nor replaced: start fails, naming it."""
+        async with rig(start_driver=False, start_kubelet=False) as r:
+            path = Path(r.config.registration_socket)
+            path.parent.mkdir(parents=True)
+            with socket.socket(socket.AF_UNIX) as other:
+                other.bind(str(path))
+                other.listen()
+                identity = FileIdentity.of(str(path))
+                with pytest.raises(SocketInUseError, match=re.escape(str(path))):
+                    await r.driver.start()
+                assert FileIdentity.of(str(path)) == identity
+            assert not Path(r.config.plugin_socket).exists()
+
+    async def test_stop_leaves_a_socket_that_is_not_ours(self) -> None:
+        """A socket put in place of ours while the driver runs is left alone when it stops."""
+        async with rig() as r:
+            path = Path(r.config.registration_socket)
+            path.unlink()
+            with socket.socket(socket.AF_UNIX) as other:
+                other.bind(str(path))
+                await r.driver.stop()
+                assert path.is_socket()
 
 
 class TestPrepare:

@@ -1,7 +1,8 @@
 """The gRPC side toward kubelet: DRAPlugin v1 and v1beta1, device health, and plugin registration.
 
 Each server is bound under a hidden staging name (kubelet's plugin watcher ignores dot-names), started,
-then renamed into place, so kubelet never finds a socket that does not answer yet. The handlers only
+then renamed into place, so kubelet never finds a socket that does not answer yet; a socket another
+process serves on is never replaced, and one that is not ours is never removed. The handlers only
 read state and await; nothing blocks the loop (kubelet gives GetInfo 1 s).
 """
 
@@ -28,6 +29,7 @@ from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.dra.prepare import ClaimRef, Preparer
+from ate_devplugd.endpoint import FileIdentity, check_socket_free
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +174,15 @@ class UnixServer:
         self.path = path
         self._add_services = add_services
         self.server: grpc.aio.Server | None = None
-        self._ino: int | None = None
+        self._identity: FileIdentity | None = None
 
     async def start(self) -> None:
+        """Serve on the path; SocketInUseError (naming it) if another process serves there."""
         directory, base = posixpath.split(self.path)
         os.makedirs(directory, mode=0o750, exist_ok=True)
+        check_socket_free(self.path)  # a stale file of an earlier run is removed
         staging = posixpath.join(directory, "." + base)
         _unlink(staging)
-        _unlink(self.path)  # a stale socket of an earlier run
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._add_services(server)
         try:
@@ -191,16 +194,17 @@ class UnixServer:
         self.server = server
         await server.start()
         os.chmod(staging, 0o600)  # only root (kubelet) connects
-        self._ino = os.lstat(staging).st_ino
         os.replace(staging, self.path)
+        self._identity = FileIdentity.of(self.path)
 
     async def stop(self, grace: float | None = 0.2) -> None:
         """Remove the socket (if it is still ours), then stop serving; safe to call twice."""
         server, self.server = self.server, None
-        with contextlib.suppress(OSError):
-            if self._ino is not None and os.lstat(self.path).st_ino == self._ino:
+        # Before the server stops: while it holds the socket's inode, no other file can have its identity.
+        if self._identity is not None and FileIdentity.of(self.path) == self._identity:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-        self._ino = None
+        self._identity = None
         if server is not None:
             await server.stop(grace)
 
