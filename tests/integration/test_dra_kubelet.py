@@ -13,11 +13,12 @@ import pytest
 
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
 from ate_devplugd.config import ConfigError
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import MAX_SOCKET_PATH, DraConfig, from_mapping, staging_path
 from ate_devplugd.dra.driver import DraDriver, KubeletState
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.endpoint import FileIdentity, SocketInUseError
-from tests.integration.dra_rig import KVM, NODE, rig
+from tests.fakes.dra_kubelet import FakeDraKubelet
+from tests.integration.dra_rig import KVM, NODE, rig, short_dir
 
 DRIVER = "kvm.ate.dev"
 POOL = f"{NODE}/ate.dev/kvm"
@@ -112,6 +113,23 @@ class TestRegistration:
                 other.bind(str(path))
                 await r.driver.stop()
                 assert path.is_socket()
+
+    async def test_longest_socket_paths_served(self) -> None:
+        """A kubelet_dir the config allows with not a byte to spare (the registration socket's staging
+        name has 107 bytes) is served, and kubelet registers the driver."""
+        async with short_dir() as base:
+            kubelet_dir = f"{base}/{'k' * (67 - len(str(base)))}"
+            config, errors = from_mapping({"node_name": NODE, "kubelet_dir": kubelet_dir, "kubeconfig": f"{base}/kc"})
+            assert errors == [] and len(staging_path(config.registration_socket)) == MAX_SOCKET_PATH
+            driver = DraDriver(config, [KVM], backoff=(60.0, 60.0))
+            kubelet = FakeDraKubelet(Path(kubelet_dir))
+            await kubelet.start()
+            try:
+                await driver.start()
+                assert (await kubelet.next_event("registered")).name == DRIVER
+            finally:
+                await driver.stop()
+                await kubelet.stop()
 
 
 class TestPrepare:

@@ -22,7 +22,7 @@ DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
 #: A ResourceSlice holds at most 128 devices; one slice per pool keeps every update atomic.
 MAX_DEVICES = 128
 DEFAULT_DEVICES = 128
-#: sun_path is 108 bytes with its NUL.
+#: sun_path is 108 bytes with its NUL; gRPC binds a ``unix:`` path up to this (grpcio 1.51 and 1.85).
 MAX_SOCKET_PATH = 107
 
 
@@ -46,6 +46,12 @@ class DraConfig:
     def registration_socket(self) -> str:
         """Where kubelet's plugin watcher finds us: ``<kubelet_dir>/plugins_registry/<driver>-reg.sock``."""
         return posixpath.join(self.kubelet_dir, "plugins_registry", self.driver + "-reg.sock")
+
+
+def staging_path(path: str) -> str:
+    """Where a socket is bound before it is renamed to ``path``: a dot-name, which kubelet ignores."""
+    directory, base = posixpath.split(path)
+    return posixpath.join(directory, "." + base)
 
 
 def kubelet_hostname(gethostname: Callable[[], str] = socket.gethostname) -> str:
@@ -113,9 +119,13 @@ def from_mapping(
         sharing=sharing,
         devices=devices,
     )
-    for key, path in (("dra.kubelet_dir", config.plugin_socket), ("dra.kubelet_dir", config.registration_socket)):
-        if kubelet_dir and len(path.encode()) > MAX_SOCKET_PATH:
-            errors.append(f"{key}: {kubelet_dir!r} makes the socket path {path!r} longer than {MAX_SOCKET_PATH} bytes")
+    for path in (config.plugin_socket, config.registration_socket):
+        bound = staging_path(path)  # the longest path bound, one byte longer than the socket's
+        if kubelet_dir and len(bound.encode()) > MAX_SOCKET_PATH:
+            errors.append(
+                f"dra.kubelet_dir: {kubelet_dir!r} makes the socket path {bound!r} (bound, then renamed to "
+                f"{posixpath.basename(path)}) longer than {MAX_SOCKET_PATH} bytes"
+            )
             break
     return config, errors
 

@@ -27,6 +27,7 @@ from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from ate_devplugd.dra.config import staging_path
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.dra.prepare import ClaimRef, Preparer
 from ate_devplugd.endpoint import FileIdentity, check_socket_free
@@ -178,15 +179,15 @@ class UnixServer:
 
     async def start(self) -> None:
         """Serve on the path; SocketInUseError (naming it) if another process serves there."""
-        directory, base = posixpath.split(self.path)
-        os.makedirs(directory, mode=0o750, exist_ok=True)
+        os.makedirs(posixpath.dirname(self.path), mode=0o750, exist_ok=True)
         check_socket_free(self.path)  # a stale file of an earlier run is removed
-        staging = posixpath.join(directory, "." + base)
+        staging = staging_path(self.path)
         _unlink(staging)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._add_services(server)
         try:
-            port = server.add_insecure_port("unix://" + staging)
+            # unix:<path>: gRPC takes one up to sun_path's 107 bytes, a unix://<path> only up to 105.
+            port = server.add_insecure_port("unix:" + staging)
         except RuntimeError:  # grpcio raises (1.51 and later) where it used to return 0
             port = 0
         if not port:

@@ -69,6 +69,16 @@ class TestErrors:
         assert len(errors) == 1, errors
         assert expected in errors[0]
 
+    def test_socket_path_limit_counts_the_staging_name(self) -> None:
+        """Each socket is bound under a dot-name one byte longer: that name may have 107 bytes, not one more."""
+        # "/plugins_registry/.kvm.ate.dev-reg.sock", the longest bound path, adds 39 bytes.
+        config, errors = parse(f'[dra]\nkubelet_dir = "/{"d" * 67}"')
+        assert errors == [] and len(config.registration_socket) == 106
+        _, errors = parse(f'[dra]\nkubelet_dir = "/{"d" * 68}"')
+        assert (
+            len(errors) == 1 and errors[0].startswith("dra.kubelet_dir: '/ddd") and "longer than 107 bytes" in errors[0]
+        )
+
     def test_invalid_host_name(self) -> None:
         """A host name that is no node name asks for node_name to be set."""
         _, errors = parse("", hostname="bad_host")
