@@ -238,6 +238,19 @@ class TestHealthStream:
             ended = await r.kubelet.next_event("health-ended")
             assert ended.name == DRIVER, ended
 
+    async def test_restarted_driver_streams_again(self) -> None:
+        """A driver started again after a stop serves a health stream that stays open and follows changes."""
+        async with rig() as r:
+            await r.kubelet.next_event("registered")
+            await r.driver.stop()
+            await r.kubelet.next_event("deregistered")
+            await r.driver.start()
+            await r.kubelet.next_event("registered")
+            updates = r.kubelet.watch_health(DRIVER)
+            await asyncio_get(updates)
+            r.driver.set_health("ate.dev/kvm", False)
+            assert {d.health for d in (await asyncio_get(updates)).devices} == {health_pb2.UNHEALTHY}
+
     def test_unknown_resource_rejected(self) -> None:
         """set_health of a resource the driver does not publish is a KeyError."""
         driver = DraDriver(DraConfig(node_name=NODE), [KVM])

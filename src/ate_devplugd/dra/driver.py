@@ -97,8 +97,7 @@ class DraDriver:
         self.publisher = SlicePublisher(
             config, pools, load_credentials=load_credentials, backoff=backoff, on_change=self._notify
         )
-        self._closing = asyncio.Event()
-        self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False), self._closing)
+        self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False))
         self.preparer = Preparer(config.driver, pools, lambda: self.publisher.client, self.publisher.present)
         self._plugin = UnixServer(config.plugin_socket, self._add_plugin_services)
         self._registration = UnixServer(config.registration_socket, self._add_registration_service)
@@ -115,7 +114,7 @@ class DraDriver:
 
     async def start(self) -> None:
         """Serve dra.sock, then the registration socket (kubelet may call at once), then publish."""
-        self._closing.clear()
+        self.health.closed = False
         try:
             await self._plugin.start()
             await self._registration.start()
@@ -162,7 +161,7 @@ class DraDriver:
 
     async def stop(self) -> None:
         """Stop the publisher and both servers; the sockets are gone when this returns."""
-        self._closing.set()
+        self.health.close()
         task, self._publisher_task = self._publisher_task, None
         if task is not None:
             task.cancel()

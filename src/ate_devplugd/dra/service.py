@@ -97,16 +97,22 @@ class DraPluginV1beta1(_PrepareMixin, v1beta1_grpc.DRAPluginServicer):
 class HealthServicer(health_grpc.DRAResourceHealthServicer):
     """NodeWatchResources: every device with its health at once, then again after each change."""
 
-    def __init__(self, pool_list: Sequence[Pool], present: Callable[[str], bool], closing: asyncio.Event) -> None:
+    def __init__(self, pool_list: Sequence[Pool], present: Callable[[str], bool]) -> None:
         self._pools = list(pool_list)
         self._present = present
-        self._closing = closing
         self._changed = asyncio.Event()
+        #: Streams end while this is set; the driver clears it when it starts (again).
+        self.closed = False
 
     def changed(self) -> None:
         """Wake every open stream (the health of some resource changed)."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def close(self) -> None:
+        """End every open stream (the driver stops)."""
+        self.closed = True
+        self.changed()
 
     def snapshot(self) -> health_pb2.NodeWatchResourcesResponse:
         now = int(time.time())
@@ -130,19 +136,11 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
     async def NodeWatchResources(
         self, request: health_pb2.NodeWatchResourcesRequest, context: Context
     ) -> AsyncIterator[health_pb2.NodeWatchResourcesResponse]:
-        # Ends only when kubelet cancels (CancelledError, left to propagate) or the driver stops.
-        closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            while not self._closing.is_set():
-                changed = self._changed  # taken before the state is read, so no change is missed
-                yield self.snapshot()
-                waiter = asyncio.ensure_future(changed.wait())
-                try:
-                    await asyncio.wait((waiter, closing), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
-        finally:
-            closing.cancel()
+        # Ends only when kubelet cancels (CancelledError, left to propagate) or close() is called.
+        while not self.closed:
+            changed = self._changed  # taken before the state is read, so no change is missed
+            yield self.snapshot()
+            await changed.wait()
 
 
 class RegistrationServicer(reg_grpc.RegistrationServicer):
