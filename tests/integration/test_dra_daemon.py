@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from ate_devplugd.config import Config
@@ -51,7 +52,12 @@ class DraNode:
 
 
 @contextlib.asynccontextmanager
-async def dra_node(kernel: KernelView, dev_root: Path, monitor: FakeMonitor | None = None) -> AsyncIterator[DraNode]:
+async def dra_node(
+    kernel: KernelView,
+    dev_root: Path,
+    monitor: FakeMonitor | None = None,
+    reload_config: Callable[[], Config] | None = None,
+) -> AsyncIterator[DraNode]:
     """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher."""
     async with short_dir() as base:
         api = FakeApiServer(NODE, token=TOKEN)
@@ -64,7 +70,9 @@ async def dra_node(kernel: KernelView, dev_root: Path, monitor: FakeMonitor | No
         notify = NotifyReceiver(base / "notify")
         kubelet = FakeDraKubelet(base / "kubelet")
         try:
-            async with daemon_in_process(config, kernel, monitor=monitor, notify=notify.path) as running:
+            async with daemon_in_process(
+                config, kernel, monitor=monitor, reload_config=reload_config, notify=notify.path
+            ) as running:
                 await kubelet.start()
                 yield DraNode(base, api, kubelet, config, running, notify)
         finally:
@@ -103,6 +111,27 @@ class TestDraMode:
                 assert not Path(node.config.dra.registration_socket).exists()  # type: ignore[union-attr]
         finally:
             monitor.close()
+
+    async def test_reload_to_another_node_name_prepares_its_cdi_device(
+        self, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A reload that gives a resource another device node (so another CDI device name) rewrites its
+        spec; a claim prepared after it names the device that spec defines, not the old one."""
+        kernel.add_node(fake_root / "dev" / "kvm2", (10, 233))
+        kernel.names[(10, 233)] = "/dev/kvm2"
+        new: list[Config] = []
+        async with dra_node(kernel, fake_root, reload_config=lambda: new[0]) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("slice published")
+            moved = dataclasses.replace(node.config.devices[0], path="/dev/kvm2")
+            new.append(dataclasses.replace(node.config, devices=(moved,)))
+            node.running.daemon.request_reload()
+            await node.running.events.wait_for("reload")
+            spec = json.loads((Path(node.config.cdi_dir) / "ate.dev-kvm.json").read_text())
+            assert [d["name"] for d in spec["devices"]] == ["kvm2"]
+            claim = node.claim("vm-1")
+            response = await node.kubelet.prepare(DRIVER, claim)
+            assert list(response.claims[claim[1]].devices[0].cdi_device_ids) == ["ate.dev/kvm=kvm2"]
 
     async def test_kubelet_restart_republishes(self, fake_root: Path, kernel: FakeKernel) -> None:
         """kubelet's start deletes the node's slices: the daemon publishes again within a second."""

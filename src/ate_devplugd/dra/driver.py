@@ -14,7 +14,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -153,6 +153,12 @@ class DraDriver:
         self.publisher.set_present(resource, healthy)
         self.health.changed()
         self._notify()
+
+    def set_cdi_id(self, resource: str, cdi_id: str) -> None:
+        """The CDI device ``resource``'s spec defines now (a reload may rename it): claims get it from now on."""
+        if self.preparer.set_cdi_id(resource, cdi_id):
+            self.pools = [replace(p, cdi_id=cdi_id) if p.resource == resource else p for p in self.pools]
+            log.info("dra: claims of %s are prepared with CDI device %s from now on", resource, cdi_id)
 
     def status(self) -> DraStatus:
         pub = self.publisher

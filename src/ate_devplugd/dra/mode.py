@@ -3,8 +3,8 @@
 It stands where device-plugin mode's sessions stand (``plugins.DevicePlugins``): the daemon starts it
 once the CDI specs are written (DRA hands devices to containers only through CDI), tells it after each
 look at a device whether the device is healthy, shows its status, and stops it. The set of resources
-and the ``[dra]`` table are read at start; a reload applies the device tables (their CDI specs) and
-says that a changed resource set takes a restart.
+and the ``[dra]`` table are read at start; a reload applies the device tables (their CDI specs, and
+the CDI device a claim is prepared with) and says that a changed resource set takes a restart.
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ class DraMode:
         """STATUS has one part for the driver: nothing to order."""
 
     def looked(self, resource: Resource) -> None:
-        """After a look at a device: its devices withdrawn from the slice while it is unhealthy."""
+        """After a look at a device (its CDI spec written just before): claims get the CDI device its
+        table names now (a reload may change the node's name), and its devices are withdrawn from the
+        slice while it is unhealthy."""
         if self._driver is not None and resource.name in self._driver.publisher.present:
+            self._driver.set_cdi_id(resource.name, qualified_name(resource.config))
             self._driver.set_health(resource.name, resource.healthy)
 
     def status_line(self) -> str:

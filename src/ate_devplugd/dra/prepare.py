@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
@@ -65,6 +65,14 @@ class Preparer:
         self._client = client
         self._present = present
         self._lock = asyncio.Lock()
+
+    def set_cdi_id(self, resource: str, cdi_id: str) -> bool:
+        """Answer ``cdi_id`` for the devices of ``resource`` from now on; whether that changed anything."""
+        for name, pool in self._pools.items():
+            if pool.resource == resource and pool.cdi_id != cdi_id:
+                self._pools[name] = replace(pool, cdi_id=cdi_id)
+                return True
+        return False
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         async with self._lock:
