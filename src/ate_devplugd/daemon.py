@@ -26,6 +26,7 @@ from ate_devplugd import config as configmod
 from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.devices import DeviceRegistry, Resource
+from ate_devplugd.endpoint import SocketInUseError
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
@@ -148,7 +149,11 @@ class Daemon:
             self._mode = DraMode(self.config.dra, self._registry, self._update_status)
         else:
             self._mode = DevicePlugins(self._registry, self._watch, self._metrics, self._update_status)
-        await self._mode.start([dev.resource for dev in self.config.devices])
+        try:
+            await self._mode.start([dev.resource for dev in self.config.devices])
+        except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
+            log.error("cannot serve: %s; is another ate-devplugd running? Not starting", exc)  # noqa: TRY400 - it says why
+            return False
         self._ready = True
         self._notifier.ready(self.status_line())
         self._events.info("ready", "ready: %s", self.status_line())

@@ -4,9 +4,12 @@ real reader of the CDI spec a prepared claim names."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -141,6 +144,29 @@ class TestDraMode:
             assert deleted
             kind, obj = await node.api.next_change("ADDED", timeout=1.0)
             assert kind == "ADDED" and obj["spec"]["nodeName"] == NODE
+
+    async def test_live_socket_at_the_registration_path_stops_the_start(
+        self, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Another process serving on the registration socket: one error naming it, exit 73, no traceback,
+        and neither that socket nor any of ours left behind by us."""
+        async with short_dir() as base:
+            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "kubeconfig"), kubelet_dir=str(base / "kubelet"))
+            plugin_dir = base / "device-plugins"
+            plugin_dir.mkdir()
+            config = dataclasses.replace(kvm_config(plugin_dir, fake_root, cdi=True), mode="dra", dra=dra)
+            registration = Path(dra.registration_socket)
+            registration.parent.mkdir(parents=True)
+            with socket.socket(socket.AF_UNIX) as other:
+                other.bind(str(registration))
+                other.listen()
+                async with daemon_in_process(config, kernel) as running:
+                    async with asyncio.timeout(10):
+                        assert await running.task == 73
+                (error,) = [r for r in running.events.records if r.levelno >= logging.ERROR]
+                assert str(registration) in error.getMessage() and error.exc_info is None
+                assert registration.is_socket()
+                assert not Path(dra.plugin_socket).exists()
 
 
 class TestDraWithARealRuntime:
