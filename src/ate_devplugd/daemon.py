@@ -266,7 +266,6 @@ class Daemon:
         if self._udev is not None:
             self._udev.set_subsystems(self._registry.subsystems())
         await self._mode.start(change.added)
-        self._mode.reorder([dev.resource for dev in new.devices])
         self._events.info(
             "reload",
             "reloaded: %d added, %d changed, %d removed, %d unchanged",

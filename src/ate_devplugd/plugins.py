@@ -66,10 +66,9 @@ class DevicePlugins:
     def looked(self, resource: Resource) -> None:
         """A look at a device: each session follows its resource itself (its change event)."""
 
-    def reorder(self, names: list[str] | tuple[str, ...]) -> None:
-        """Keep STATUS in config order after a reload."""
-        self._sessions = {name: self._sessions[name] for name in names if name in self._sessions}
-
     def status_line(self) -> str:
-        """STATUS=: one part per resource, in config order."""
-        return " | ".join(f"{name}: {s.describe()}" for name, s in self._sessions.items()) or "no devices"
+        """STATUS=: one part per resource, in config order (the registry's)."""
+        parts = [
+            f"{name}: {self._sessions[name].describe()}" for name in self._registry.resources if name in self._sessions
+        ]
+        return " | ".join(parts) or "no devices"

@@ -181,7 +181,8 @@ class TestReload:
             await kubelet.stop()
 
     async def test_added_and_removed(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
-        """An added resource is served and registered; a removed one's socket goes; the kept one is untouched."""
+        """An added resource is served and registered (STATUS in the new config's order); a removed one's
+        socket goes; the kept one is untouched."""
         kernel.add_node(fake_root / "dev" / "vhost-net", (10, 238))
         kernel.names[(10, 238)] = "/dev/vhost-net"
         vhost = DeviceConfig("ate.dev/vhost-net", "/dev/vhost-net", count=2)
@@ -192,11 +193,13 @@ class TestReload:
             async with daemon_in_process(base, kernel, reload_config=lambda: current[0]) as running:
                 await kubelet.next_event("list")
                 stream = kubelet.endpoints[RESOURCE].stream_task
-                current[0] = dataclasses.replace(base, devices=(*base.devices, vhost))
+                current[0] = dataclasses.replace(base, devices=(vhost, *base.devices))
                 running.daemon.request_reload()
                 lst = await kubelet.next_event("list", resource="ate.dev/vhost-net")
                 assert lst.total == 2
                 await running.events.wait_for("reload")
+                parts = running.daemon.status_line().split(" | ")
+                assert [part.split(": ")[0] for part in parts] == ["ate.dev/vhost-net", RESOURCE]
                 current[0] = base
                 running.daemon.request_reload()
                 await kubelet.next_event("stream-ended", resource="ate.dev/vhost-net")

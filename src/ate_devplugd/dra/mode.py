@@ -59,9 +59,6 @@ class DraMode:
                 ", ".join(names),
             )
 
-    def reorder(self, names: list[str] | tuple[str, ...]) -> None:
-        """STATUS has one part for the driver: nothing to order."""
-
     def looked(self, resource: Resource) -> None:
         """After a look at a device (its CDI spec written just before): claims get the CDI device its
         table names now (a reload may change the node's name), and its devices are withdrawn from the
