@@ -195,11 +195,12 @@ class FakeDraKubelet:
                 detail = "OK"
             except grpc.aio.AioRpcError as exc:
                 detail = exc.code().name
-            except asyncio.CancelledError:
-                # grpc.aio raises CancelledError for a stream the server cancelled, too
+            except (asyncio.CancelledError, UnboundLocalError):
+                # grpc.aio raises CancelledError for a stream the server cancelled, too; grpcio 1.51's
+                # reader UnboundLocalError when cancelled just as the stream ends OK (grpc/grpc#31227)
                 call.cancel()
                 if self._stopping:
-                    raise
+                    raise asyncio.CancelledError from None
                 detail = "CANCELLED"
             self.events.put_nowait(Event("health-ended", driver, detail))
 

@@ -277,6 +277,9 @@ class FakeKubelet:
         except asyncio.CancelledError:
             call.cancel()
             raise
+        except UnboundLocalError:
+            # grpcio 1.51's reader, cancelled just as the stream ends OK (grpc/grpc#31227): a cancel.
+            raise asyncio.CancelledError from None
         self._record(Event("stream-ended", endpoint.resource, error="returned"))
 
     def _list_event(self, endpoint: Endpoint, response: Any) -> Event:
