@@ -13,6 +13,13 @@ stream-ended records also have "resource", list records have "healthy", "total" 
   events.py check LOG [--since T]
       Fails on any "register-rejected" or "double-register" (a registration that arrived while the
       previous one's stream of the same resource was still open) at or after T.
+  events.py uevents LOG
+      Records the kernel's uevents (netlink, as they arrive, no udevd involved) in LOG as records
+      {"t", "event": "uevent", "action", "subsystem", "devname", "devpath"}; prints "listening" once
+      bound, then runs until killed. A step measures from the kernel's event, not from a command that
+      caused it (modprobe -r alone takes half a second under the software CPU).
+  events.py wait ... --where KEY=VALUE
+      Also requires the record's KEY to equal VALUE (repeatable), e.g. --where devname=kvm.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -65,8 +73,13 @@ def health_ok(rec: Record, health: str | None) -> bool:
     raise ValueError(health)
 
 
-def matches(rec: Record, event: str, since: float, health: str | None) -> bool:
-    return rec.get("event") == event and float(rec.get("t", 0)) >= since and health_ok(rec, health)
+def matches(rec: Record, event: str, since: float, health: str | None, where: dict[str, str]) -> bool:
+    return (
+        rec.get("event") == event
+        and float(rec.get("t", 0)) >= since
+        and health_ok(rec, health)
+        and all(str(rec.get(k)) == v for k, v in where.items())
+    )
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -88,7 +101,7 @@ def wait_loop(args: argparse.Namespace, resources: list[str | None], watch: DirW
                     continue
                 if rec.get("event") == args.event and float(rec.get("t", 0)) >= args.since:
                     seen[res] = rec
-                if matches(rec, args.event, args.since, args.health):
+                if matches(rec, args.event, args.since, args.health, args.where):
                     found[res] = rec
         if len(found) == len(resources):
             t = max(float(r["t"]) for r in found.values())
@@ -134,6 +147,41 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+NETLINK_KOBJECT_UEVENT = 15
+KERNEL_GROUP = 1  # the kernel's own uevents; udevd re-sends processed ones on group 2
+
+
+def cmd_uevents(args: argparse.Namespace) -> int:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    sock.bind((0, KERNEL_GROUP))
+    print("listening", flush=True)
+    with args.log.open("a", buffering=1) as out:
+        while True:
+            data = sock.recv(65536)
+            t = time.time()
+            fields = dict(f.split("=", 1) for f in data.decode(errors="replace").split("\0")[1:] if "=" in f)
+            rec = {
+                "t": t,
+                "event": "uevent",
+                "action": fields.get("ACTION", ""),
+                "subsystem": fields.get("SUBSYSTEM", ""),
+                "devname": fields.get("DEVNAME", ""),
+                "devpath": fields.get("DEVPATH", ""),
+            }
+            out.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def where_pairs(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--where wants KEY=VALUE, not {item!r}")
+        out[key] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -144,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--resources", default="")
     w.add_argument("--health", choices=["full", "zero", "degraded"])
     w.add_argument("--timeout", type=float, default=30.0)
+    w.add_argument("--where", action="append", default=[], metavar="KEY=VALUE")
     w.set_defaults(func=cmd_wait)
     la = sub.add_parser("last")
     la.add_argument("log", type=Path)
@@ -154,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("log", type=Path)
     c.add_argument("--since", type=float, default=0.0)
     c.set_defaults(func=cmd_check)
+    u = sub.add_parser("uevents")
+    u.add_argument("log", type=Path)
+    u.set_defaults(func=cmd_uevents)
     args = ap.parse_args(argv)
+    if args.cmd == "wait":
+        args.where = where_pairs(args.where)
     return int(args.func(args))
 
 
