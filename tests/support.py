@@ -70,9 +70,10 @@ def write_config(
     cdi_dir: Path | None = None,
 ) -> Path:
     """A config file for a test daemon: nothing written outside the test's directories (metrics off
-    unless given a file; CDI specs next to the config)."""
+    unless given a file; CDI specs next to the config) and no runtime asked but one there."""
     cdi = cdi_dir or path.parent / "cdi"
     text = f'plugin_dir = "{plugin_dir}"\ndev_root = "{dev_root}"\ncdi_dir = "{cdi}"\nmetrics_file = "{metrics_file}"\n'
+    text += f'runtime_socket = "{path.parent / "runtime.sock"}"\n'
     text += devices if devices is not None else '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
     path.write_text(text)
     return path
@@ -82,12 +83,13 @@ def kvm_config(
     plugin_dir: Path, dev_root: Path, count: int = 4096, *, metrics_file: Path | str = "", **device: Any
 ) -> Config:
     """The default kvm resource (``count`` units) on these directories (metrics off unless given a
-    file; CDI specs in ``plugin_dir``'s parent)."""
+    file; CDI specs and the runtime's socket in ``plugin_dir``'s parent)."""
     return Config(
         plugin_dir=str(plugin_dir),
         dev_root=str(dev_root),
         cdi_dir=str(plugin_dir.parent / "cdi"),
         metrics_file=str(metrics_file),
+        runtime_socket=str(plugin_dir.parent / "runtime.sock"),
         devices=(DeviceConfig(RESOURCE, "/dev/kvm", count=count, **device),),
     )
 
