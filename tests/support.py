@@ -172,6 +172,7 @@ class FakeKernel:
         self.kvm_version = 12
         self.kvm_error: OSError | None = None
         self.open_error: OSError | None = None
+        self.create_vm_error: OSError | None = None
         self.opened: list[str] = []
 
     def add_node(self, path: Path | str, devnum: tuple[int, int] = KVM_DEVNUM) -> None:
@@ -201,6 +202,9 @@ class FakeKernel:
     def open_node(self, path: str) -> None:
         self._check(path, self.open_error)
         self.opened.append(path)
+
+    def kvm_create_vm(self, path: str) -> None:
+        self._check(path, self.kvm_error or self.create_vm_error)
 
     def _check(self, path: str, error: OSError | None) -> None:
         if path not in self.nodes:
