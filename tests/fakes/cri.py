@@ -9,18 +9,30 @@ It answers as containerd's and CRI-O's CRI servers do (docs/cdi-runtimes.md name
 - every other RPC is UNIMPLEMENTED (the generated servicer's default), as nothing here needs them.
 
 ``hang = True`` makes every call wait until the client gives up, as a stuck runtime would.
+
+Run as a script (the package test) it serves containerd's answer for ``--version`` and ``--enable-cdi``
+on ``--socket`` until SIGTERM.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from ate_devplugd._pb.cri.v1 import api_pb2, api_pb2_grpc
+try:
+    from ate_devplugd._pb.cri.v1 import api_pb2, api_pb2_grpc
+except ImportError:  # run from a source checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from ate_devplugd._pb.cri.v1 import api_pb2, api_pb2_grpc
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cri"
 
@@ -100,3 +112,32 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         if request.verbose:
             response.info.update(self.answer[2])
         return response
+
+
+async def _serve(socket: Path, version: str, enable_cdi: bool | None) -> int:
+    socket.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        socket.unlink()
+    runtime = await FakeRuntime(socket, "containerd", version, containerd_info(enable_cdi)).start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print(f"serving on {socket}", flush=True)
+    await stop.wait()
+    await runtime.stop()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="A fake containerd CRI runtime (Version and Status) for tests.")
+    parser.add_argument("--socket", required=True, type=Path)
+    parser.add_argument("--version", default="1.7.24~ds1")
+    parser.add_argument("--enable-cdi", choices=("true", "false", "absent"), default="false")
+    args = parser.parse_args()
+    enable = {"true": True, "false": False, "absent": None}[args.enable_cdi]
+    return asyncio.run(_serve(args.socket, args.version, enable))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ate_devplugd.config import Config
 from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME
-from tests.fakes.cri import FakeRuntime, containerd_info
+from tests.fakes.cri import FakeRuntime, containerd_info, recorded
 from tests.support import (
     FakeKernel,
     NotifyReceiver,
@@ -37,10 +37,8 @@ class TestVerdictShown:
     async def test_enable_cdi_false(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
-        """containerd 1.7 with CDI off: STATUS says so, one warning event, the metric's not_applied is 1."""
-        runtime = await FakeRuntime(
-            tmp_path / "runtime.sock", "containerd", "1.7.24~ds1", containerd_info(False)
-        ).start()
+        """containerd 1.7 with CDI off (its recorded answer): STATUS, one warning event, asked again on reload."""
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", *recorded("containerd-1.7.24-cdi-off")).start()
         notify = NotifyReceiver(tmp_path / "notify")
         prom = tmp_path / "m.prom"
         config = dataclasses.replace(cdi_config(plugin_dir, fake_root, tmp_path), metrics_file=str(prom))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd.runtime_cdi import CdiVerdict, RuntimeReport, decide, find_socket, parse_version, reads_dir
-from tests.fakes.cri import containerd_info
+from tests.fakes.cri import containerd_info, recorded
 
 OURS = "/var/run/cdi"
 
@@ -77,6 +77,28 @@ class TestDecide:
             gone.describe() == "unknown whether CDI is applied (no runtime socket at /run/containerd/containerd.sock)"
         )
         assert gone.runtime == ""
+
+
+class TestRecorded:
+    @pytest.mark.parametrize(
+        ("name", "verdict", "reason"),
+        [
+            ("containerd-1.6.20", CdiVerdict.NOT_APPLIED, "no CDI before containerd 1.7"),
+            ("containerd-1.7.24-cdi-off", CdiVerdict.NOT_APPLIED, "enable_cdi = false"),
+            ("containerd-1.7.24-cdi-on", CdiVerdict.APPLIED, "reads /var/run/cdi"),
+        ],
+    )
+    def test_real_answers(self, name: str, verdict: CdiVerdict, reason: str) -> None:
+        """Version and Status(verbose) as Debian's containerd 1.6.20 and 1.7.24 answered them."""
+        runtime, version, info = recorded(name)
+        report = decide(runtime, version, info, OURS)
+        assert (report.verdict, report.reason) == (verdict, reason)
+
+    def test_real_answer_elsewhere(self) -> None:
+        """The same 1.7.24 answer, with the daemon writing elsewhere: the directory is not read."""
+        report = decide(*recorded("containerd-1.7.24-cdi-on"), "/srv/cdi")
+        assert report.verdict is CdiVerdict.DIR_NOT_READ
+        assert report.spec_dirs == ("/etc/cdi", "/var/run/cdi")
 
 
 class TestPaths:
