@@ -14,7 +14,12 @@ from ate_devplugd import cli
 from ate_devplugd.config import Config, render
 from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
 from ate_devplugd.doctor import render as render_text
+from ate_devplugd.dra import manifests
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import DraResource, build_pools, slice_spec
+from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime, containerd_info
+from tests.integration.dra_rig import NODE, TOKEN, write_kubeconfig
 from tests.support import FakeKernel, daemon_in_process, kvm_config, started_kubelet, wait_for_content
 
 
@@ -191,3 +196,59 @@ class TestOutput:
         doc = json.loads(out)
         assert doc["checks"][0]["check"] == "config"
         assert "runtime_socket: must be an absolute path" in doc["checks"][0]["message"]
+
+
+class TestDraMode:
+    async def test_api_side(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """DRA mode: the API server answers with the kubeconfig; the DeviceClass of dra-manifests is found;
+        no slice of this node is a FAIL, one with devices is OK; a refused DeviceClass list is a WARN."""
+        api = FakeApiServer(NODE, token=TOKEN)
+        await api.start()
+        try:
+            kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api.url)
+            path = tmp_path / "config.toml"
+            path.write_text(
+                f'mode = "dra"\ndev_root = "{fake_root}"\ncdi_dir = "{tmp_path / "cdi"}"\nmetrics_file = ""\n'
+                f'runtime_socket = "{tmp_path / "runtime.sock"}"\nplugin_dir = "{tmp_path / "dp"}"\n'
+                f'[dra]\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\nkubelet_dir = "{tmp_path / "kubelet"}"\n'
+            )
+            dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig))
+            klass = manifests.device_class(dra, "ate.dev/kvm")
+            api.device_classes[klass["metadata"]["name"]] = klass
+            node = Node(kernel=kernel, find_kubelet=lambda: None)
+            checks = by_check(await examine(path, node))
+            assert checks["apiserver"].level is Level.OK
+            assert checks["deviceclass ate.dev/kvm"].level is Level.OK
+            assert checks["deviceclass ate.dev/kvm"].message == "kvm.ate.dev has extendedResourceName ate.dev/kvm"
+            assert checks["slice ate.dev/kvm"].level is Level.FAIL
+
+            pool = build_pools(dra, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")])[0][0]
+            api.slices["s1"] = {
+                "metadata": {"name": "s1"},
+                "spec": slice_spec(dra, pool, 1, present=True),
+            }
+            api.device_classes.clear()
+            checks = by_check(await examine(path, node))
+            assert checks["slice ate.dev/kvm"].level is Level.OK
+            assert checks["slice ate.dev/kvm"].message == "s1 published with 128 device(s)"
+            assert checks["deviceclass ate.dev/kvm"].level is Level.FAIL
+            assert "dra-manifests" in checks["deviceclass ate.dev/kvm"].remedy
+
+            api.device_classes_forbidden = True
+            checks = by_check(await examine(path, node))
+            assert checks["deviceclass"].level is Level.WARN
+        finally:
+            await api.stop()
+
+    async def test_unreachable(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """An API server nobody answers for: one FAIL naming it."""
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:9")
+        path = tmp_path / "config.toml"
+        path.write_text(
+            f'mode = "dra"\ndev_root = "{fake_root}"\nmetrics_file = ""\nplugin_dir = "{tmp_path / "dp"}"\n'
+            f'runtime_socket = "{tmp_path / "runtime.sock"}"\n'
+            f'[dra]\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\n'
+        )
+        checks = by_check(await examine(path, Node(kernel=kernel, find_kubelet=lambda: None)))
+        assert checks["apiserver"].level is Level.FAIL
+        assert "http://127.0.0.1:9 cannot be reached" in checks["apiserver"].message
