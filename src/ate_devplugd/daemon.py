@@ -5,7 +5,8 @@ netlink socket; only then look at the devices (each look also writes the device'
 one); then start the mode: device-plugin mode's sessions (``plugins.DevicePlugins``: each serves its
 socket, proves it answers, then registers) or DRA mode's driver (``dra.mode.DraMode``). READY=1 goes out
 once every present device has been served, whether or not kubelet is there; the metrics file follows
-from then on. The main loop sleeps until a signal's flag is set; the only timers are the watchdog ping,
+from then on, and so does the question to the container runtime whether it applies our CDI names
+(``runtime_cdi.RuntimeCheck``: asked again on reload and when kubelet starts, never on a timer). The main loop sleeps until a signal's flag is set; the only timers are the watchdog ping,
 the sessions' back-off and the metrics file's coalescing delay. Reload applies a config diff: added
 resources are served, removed ones stopped, changed ones keep serving (their new list goes out on the
 open ListAndWatch stream).
