@@ -6,8 +6,9 @@ one); then start the mode: device-plugin mode's sessions (``plugins.DevicePlugin
 socket, proves it answers, then registers) or DRA mode's driver (``dra.mode.DraMode``). READY=1 goes out
 once every present device has been served, whether or not kubelet is there; the metrics file follows
 from then on, and so does the question to the container runtime whether it applies our CDI names
-(``runtime_cdi.RuntimeCheck``: asked again on reload and when kubelet starts, never on a timer). The main loop sleeps until a signal's flag is set; the only timers are the watchdog ping,
-the sessions' back-off and the metrics file's coalescing delay. Reload applies a config diff: added
+(``runtime_cdi.RuntimeCheck``: asked again on reload and when kubelet starts, never on a timer). The
+main loop sleeps until a signal's flag is set; the only timers are the watchdog ping, the sessions'
+back-off and the metrics file's coalescing delay. Reload applies a config diff: added
 resources are served, removed ones stopped, changed ones keep serving (their new list goes out on the
 open ListAndWatch stream).
 """
@@ -199,7 +200,7 @@ class Daemon:
         starts: operators change the runtime's config together with restarts). It never delays anything."""
         cfg = self.config
         enabled = wanted(any(dev.cdi for dev in cfg.devices), cfg.mode)
-        self._runtime.start(socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, enabled=enabled)
+        self._runtime.start(socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled)
 
     def _runtime_report(self, report: RuntimeReport | None) -> None:
         if report is None:

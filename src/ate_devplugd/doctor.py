@@ -385,7 +385,7 @@ def runtime_findings(cfg: Config, report: RuntimeReport) -> list[Finding]:
         runtime = ok("runtime", f"{report.runtime} at {report.socket}")
     if not runtime_cdi.wanted(any(dev.cdi for dev in cfg.devices), cfg.mode):
         return [runtime, ok("runtime cdi", "no resource uses CDI")]
-    message = f"{report.describe()}: {runtime_cdi.consequence(report.verdict)}"
+    message = f"{report.describe()}: {runtime_cdi.consequence(report.verdict, cfg.mode)}"
     if report.verdict is CdiVerdict.APPLIED:
         return [runtime, ok("runtime cdi", report.describe())]
     if report.verdict is CdiVerdict.UNKNOWN:

@@ -268,18 +268,21 @@ class RuntimeCheck:
         self._task: asyncio.Task[None] | None = None
         self._report: RuntimeReport | None = None
         self._logged: tuple[CdiVerdict, str, str] | None = None
+        self._mode = "device-plugin"
 
     @property
     def report(self) -> RuntimeReport | None:
         """The latest verdict; None while the check is off or has not answered yet."""
         return self._report
 
-    def start(self, *, socket: str, cdi_dir: str, enabled: bool) -> None:
-        """Ask again (or stop asking, when no resource needs CDI)."""
+    def start(self, *, socket: str, cdi_dir: str, mode: str, enabled: bool) -> None:
+        """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew)."""
         self._cancel()
         if not enabled:
+            self._logged = None
             self._set(None)
             return
+        self._mode = mode
         self._task = asyncio.get_running_loop().create_task(self._run(socket, cdi_dir), name="runtime CDI check")
 
     async def close(self) -> None:
@@ -310,7 +313,7 @@ class RuntimeCheck:
         self._logged = key
         events = EventLog(log)
         if report.verdict in (CdiVerdict.NOT_APPLIED, CdiVerdict.DIR_NOT_READ):
-            events.warning(EVENT_NOT_APPLIED, "cdi: %s; %s", report.describe(), consequence(report.verdict))
+            events.warning(EVENT_NOT_APPLIED, "cdi: %s; %s", report.describe(), consequence(report.verdict, self._mode))
         else:
             events.info(EVENT_RUNTIME, "cdi: %s", report.describe())
 
@@ -320,8 +323,10 @@ EVENT_NOT_APPLIED = "cdi-not-applied"
 EVENT_RUNTIME = "cdi-runtime"
 
 
-def consequence(verdict: CdiVerdict) -> str:
-    """What a verdict means for a sandbox pod."""
+def consequence(verdict: CdiVerdict, mode: str = "device-plugin") -> str:
+    """What a verdict means for a sandbox pod (in DRA mode CDI is the only path to the device)."""
+    if verdict is CdiVerdict.NOT_APPLIED and mode == "dra":
+        return "containers get no device at all (DRA hands devices over through CDI only)"
     return {
         CdiVerdict.APPLIED: "containers get the node with the spec's owner and mode",
         CdiVerdict.NOT_APPLIED: "containers get the host's node (owner and mode), so a non-root VMM gets EACCES",
