@@ -7,7 +7,8 @@ only libc and run on Debian 12). The host's runc runs the containers (trixie's n
 
 One :class:`Containerd` has its own config, ``root``, ``state`` and socket under a work directory, and
 runs in a private mount namespace under a subreaper (``subreaper.py``: a tmpfs on ``/run/containerd``,
-where both series put their shim sockets whatever ``state`` says, and a parent that reaps the shims).
+where both series put their shim sockets whatever ``state`` says, and a parent that reaps the shims;
+the one trace left on the host is that mount point, ``/run/containerd``, created empty if missing).
 Its CRI plugin uses the ``native`` snapshotter (no overlay mount to outlive a run), runc with cgroupfs,
 no CNI (pods use the node's network), a locally built static ``pause`` as the sandbox image, and
 ``restrict_oom_score_adj`` (these hosts' root lacks CAP_SYS_RESOURCE, so runc cannot lower a score).
