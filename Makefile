@@ -12,8 +12,8 @@ SYSPY     := /usr/bin/python3
 STAMPS    := .cache/stamps
 PB        := src/ate_devplugd/_pb
 PROTO     := proto/deviceplugin/v1beta1/api.proto
-# DRA protos: proto/<dir>/api.proto is generated as ate_devplugd._pb.<dir as package>.api_pb2
-DRA_PROTO_DIRS := dra/v1 dra/v1beta1 pluginregistration/v1 drahealth/v1alpha1
+# DRA and CRI protos: proto/<dir>/api.proto is generated as ate_devplugd._pb.<dir as package>.api_pb2
+DRA_PROTO_DIRS := dra/v1 dra/v1beta1 pluginregistration/v1 drahealth/v1alpha1 cri/v1
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/ate_devplugd/__init__.py)
 DEB       := dist/ate-devplugd_$(VERSION)_all.deb
 NOBODY    := setpriv --reuid=65534 --regid=65534 --clear-groups
@@ -21,17 +21,17 @@ PYTEST_ARGS ?=
 
 # Debian's own runtime (what the .deb depends on), the protoc that makes the committed code,
 # build needs of systemd-python for the venv, udev for the real-uevent tests, strace, podman
-# with runc (a real CDI consumer) plus libc6-dev (static libc) for the container tests' checker,
-# node_exporter and promtool (the real readers of the metrics file), and aiohttp, PyYAML and
+# with runc (a real CDI consumer) and containerd 1.6 (CRI, as kubelet drives it) plus libc6-dev
+# (static libc) for the container tests' checker, node_exporter and promtool (the real readers of the metrics file), and aiohttp, PyYAML and
 # cryptography for the DRA mode and its fake API server's certificates.
 APT_PACKAGES := python3 python3-venv python3-dev python3-grpcio python3-protobuf python3-systemd \
                 python3-pyudev python3-pytest python3-hypothesis python3-prometheus-client \
                 python3-aiohttp python3-yaml python3-cryptography \
                 protobuf-compiler protobuf-compiler-grpc libsystemd-dev pkg-config gcc udev strace \
-                podman runc libc6-dev prometheus-node-exporter prometheus
+                podman runc containerd libc6-dev prometheus-node-exporter prometheus
 
 .PHONY: help dev run test lint proto proto-check test-venv test-debian test-nonroot test-trixie apt clean deb \
-        test-package e2e check bench soak
+        test-package e2e check bench soak runtimes
 
 help: ## this list
 	@awk 'BEGIN { FS = ":.*## " } /^[a-z][a-z0-9-]*:.*## / { printf "  make %-14s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
@@ -101,13 +101,18 @@ test-nonroot: $(APT_STAMP) ## the suite as nobody, as if the machine had no /dev
 	@tmp=$$(mktemp -d /tmp/ate-devplugd-nonroot.XXXXXX); trap 'rm -rf "$$tmp"' EXIT; \
 	git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -C "$$tmp" -xf -; \
 	chown -R 65534:65534 "$$tmp"; \
-	cd "$$tmp" && $(NOBODY) env -u ATE_REQUIRE_PODMAN HOME="$$tmp" ATE_TEST_NO_KVM=1 PYTHONPATH=src \
+	cd "$$tmp" && $(NOBODY) env -u ATE_REQUIRE_PODMAN -u ATE_REQUIRE_CONTAINERD HOME="$$tmp" ATE_TEST_NO_KVM=1 PYTHONPATH=src \
 	    $(SYSPY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint proto-check test-venv test-debian ## lint, generated-code check, the suite on both runtimes (minutes)
 
 test-trixie: ## the suite on Debian 13's python3 and packages (a cached trixie tree, chrooted into)
 	tests/runtime/run-suite.sh trixie $(PYTEST_ARGS)
+
+# The CRI tests (tests/integration/test_cri_containerd.py) drive Debian 12's containerd 1.6 (apt) and
+# Debian 13's 1.7 from the trixie tree, whose binaries run on Debian 12; they find the tree in .cache.
+runtimes: $(APT_STAMP) ## the container runtimes the CRI tests drive: containerd 1.6 (apt) and 1.7 (the trixie tree)
+	tests/runtime/run-suite.sh --build-only trixie
 
 $(DEB): $(shell git ls-files src packaging pyproject.toml README.md 2>/dev/null) | $(APT_STAMP)
 	packaging/build-deb.sh dist
@@ -122,11 +127,13 @@ e2e: $(DEB) ## the .deb in a Debian 12 VM (qemu) with real udevd and kernel modu
 	tests/system/build-image.sh
 	tests/system/run.sh $(DEB)
 
-# In CI the tests of real consumers (podman, node_exporter, promtool) fail, saying why, where they
-# cannot run, rather than skip.
+# In CI the tests of real consumers (podman, containerd, node_exporter, promtool) fail, saying why,
+# where they cannot run, rather than skip. `runtimes` comes first: `make test` drives containerd 1.7
+# from the trixie tree.
 check: export ATE_REQUIRE_PODMAN := 1
+check: export ATE_REQUIRE_CONTAINERD := 1
 check: export ATE_REQUIRE_PROMETHEUS_TOOLS := 1
-check: test test-nonroot test-trixie ## what CI runs: `make test`, as nobody, on Debian 13, bench smoke, package and VM tests
+check: runtimes test test-nonroot test-trixie ## what CI runs: `make test`, as nobody, on Debian 13, bench smoke, package and VM tests
 	@echo "== benchmark smoke run (figures not checked)"
 	$(MAKE) --no-print-directory bench QUICK=1
 	@echo "== the .deb in a booted systemd"

@@ -18,6 +18,8 @@ import pytest
 
 from tests.podman import Podman
 from tests.podman import require as require_podman
+from tests.runtimes.containerd import ContainerdBuild, Images, require_images
+from tests.runtimes.containerd import require as require_containerd
 from tests.support import FakeKernel, kvm_dev_root
 
 TEST_TIMEOUT = float(os.environ.get("ATE_TEST_TIMEOUT", "60"))
@@ -93,3 +95,21 @@ def clean_env() -> Iterator[None]:
 def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
     """podman on a throwaway store with the kvmcheck image; skips where it cannot run, or fails (ATE_REQUIRE_PODMAN)."""
     return require_podman(lambda: Podman.prepare(tmp_path_factory.mktemp("podman")))
+
+
+@pytest.fixture(scope="session")
+def cri_images(tmp_path_factory: pytest.TempPathFactory) -> Images:
+    """The pause and kvm checker image archives every test containerd imports (built once)."""
+    return require_images(tmp_path_factory.mktemp("cri-images"))
+
+
+@pytest.fixture
+def containerd_17() -> ContainerdBuild:
+    """containerd 1.7 (Debian 13's); skips where it cannot run, or fails (ATE_REQUIRE_CONTAINERD)."""
+    return require_containerd("1.7")
+
+
+@pytest.fixture
+def containerd_16() -> ContainerdBuild:
+    """containerd 1.6 (Debian 12's); skips where it cannot run, or fails (ATE_REQUIRE_CONTAINERD)."""
+    return require_containerd("1.6")

@@ -6,7 +6,9 @@
   standing in for the kernel's device nodes and ``FakeMonitor`` for udev (no root, no /dev/kvm);
 - ``NotifyReceiver``: a real sd_notify socket (read continuously, or left unread to stall);
 - ``EventRecorder``: the daemon's log events, in process;
-- char nodes: ``make_kvm_node`` (a real mknod, root) and ``kvm_uevent`` (a real kernel uevent).
+- char nodes: ``make_kvm_node`` (a real mknod, root) and ``kvm_uevent`` (a real kernel uevent);
+- ``allocated_kvm()``: the daemon on the host's own /dev/kvm with CDI on, and one real Allocate, for the
+  tests that hand its answer to a real container runtime (podman, containerd through CRI).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import errno
+import json
 import logging
 import os
 import signal
@@ -35,7 +39,7 @@ from ate_devplugd.config import Config, DeviceConfig
 from ate_devplugd.daemon import Daemon
 from ate_devplugd.devices import Presence, Resource
 from ate_devplugd.inotify import DirEvent, DirWatcher
-from ate_devplugd.kernel import KernelView, NodeStat
+from ate_devplugd.kernel import KernelView, NodeStat, UdevKernelView
 from ate_devplugd.logs import FIELD_EVENT
 from ate_devplugd.notify import Notifier
 from tests.fakes.kubelet import FakeKubelet
@@ -70,9 +74,10 @@ def write_config(
     cdi_dir: Path | None = None,
 ) -> Path:
     """A config file for a test daemon: nothing written outside the test's directories (metrics off
-    unless given a file; CDI specs next to the config)."""
+    unless given a file; CDI specs next to the config) and no runtime asked but one there."""
     cdi = cdi_dir or path.parent / "cdi"
     text = f'plugin_dir = "{plugin_dir}"\ndev_root = "{dev_root}"\ncdi_dir = "{cdi}"\nmetrics_file = "{metrics_file}"\n'
+    text += f'runtime_socket = "{path.parent / "runtime.sock"}"\n'
     text += devices if devices is not None else '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
     path.write_text(text)
     return path
@@ -82,12 +87,13 @@ def kvm_config(
     plugin_dir: Path, dev_root: Path, count: int = 4096, *, metrics_file: Path | str = "", **device: Any
 ) -> Config:
     """The default kvm resource (``count`` units) on these directories (metrics off unless given a
-    file; CDI specs in ``plugin_dir``'s parent)."""
+    file; CDI specs and the runtime's socket in ``plugin_dir``'s parent)."""
     return Config(
         plugin_dir=str(plugin_dir),
         dev_root=str(dev_root),
         cdi_dir=str(plugin_dir.parent / "cdi"),
         metrics_file=str(metrics_file),
+        runtime_socket=str(plugin_dir.parent / "runtime.sock"),
         devices=(DeviceConfig(RESOURCE, "/dev/kvm", count=count, **device),),
     )
 
@@ -170,6 +176,7 @@ class FakeKernel:
         self.kvm_version = 12
         self.kvm_error: OSError | None = None
         self.open_error: OSError | None = None
+        self.create_vm_error: OSError | None = None
         self.opened: list[str] = []
 
     def add_node(self, path: Path | str, devnum: tuple[int, int] = KVM_DEVNUM) -> None:
@@ -199,6 +206,9 @@ class FakeKernel:
     def open_node(self, path: str) -> None:
         self._check(path, self.open_error)
         self.opened.append(path)
+
+    def kvm_create_vm(self, path: str) -> None:
+        self._check(path, self.kvm_error or self.create_vm_error)
 
     def _check(self, path: str, error: OSError | None) -> None:
         if path not in self.nodes:
@@ -536,3 +546,45 @@ async def started_kubelet(plugin_dir: Path, **options: Any) -> FakeKubelet:
     kubelet = FakeKubelet(plugin_dir, **options)
     await kubelet.start()
     return kubelet
+
+
+# -- the daemon's answer, for a real container runtime ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KvmAllocation:
+    """What one Allocate of ``ate.dev/kvm`` answered, and the CDI spec directory it refers to."""
+
+    response: api_pb2.ContainerAllocateResponse
+    cdi_dir: Path
+
+    @property
+    def cdi_names(self) -> list[str]:
+        """The fully qualified CDI names (``ate.dev/kvm=kvm``), as kubelet passes them on."""
+        return [c.name for c in self.response.cdi_devices]
+
+    @property
+    def device_specs(self) -> list[api_pb2.DeviceSpec]:
+        return list(self.response.devices)
+
+    def spec(self) -> dict[str, Any]:
+        """The CDI spec the daemon wrote for the resource."""
+        return dict(json.loads((self.cdi_dir / "ate.dev-kvm.json").read_text()))
+
+
+@contextlib.asynccontextmanager
+async def allocated_kvm(tmp_path: Path, **device: Any) -> AsyncIterator[KvmAllocation]:
+    """The daemon on the host's /dev/kvm (the real kernel view) with ``cdi = true``, registered with a fake
+    kubelet, and one real gRPC Allocate of one unit; the daemon keeps running while the block runs, as it
+    does while kubelet creates the container. ``device`` adds ``[[device]]`` keys (``container_mode``, ...)."""
+    plugin_dir = tmp_path / "device-plugins"
+    plugin_dir.mkdir()
+    config = dataclasses.replace(kvm_config(plugin_dir, Path("/"), cdi=True, **device), dev_root="/")
+    kubelet = await started_kubelet(plugin_dir)
+    try:
+        async with daemon_in_process(config, UdevKernelView()):
+            await kubelet.next_event("list")
+            (response,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+            yield KvmAllocation(response, Path(config.cdi_dir))
+    finally:
+        await kubelet.stop()

@@ -1,4 +1,4 @@
-"""Command line: ``ate-devplugd [run] | check-config | probe | dra-manifests``."""
+"""Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests``."""
 
 from __future__ import annotations
 
@@ -30,20 +30,22 @@ commands:
   run            the daemon (the default when no command is given)
   check-config   validate the config, print the effective config; exit 78 on errors
   probe          query every plugin socket as kubelet would and print what the node offers
+  doctor         check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL
   dra-manifests  print the DeviceClasses (and RBAC) an administrator applies once for DRA mode
 
 examples:
   ate-devplugd check-config --config /etc/ate-devplugd/config.toml
   ate-devplugd run --log-target console --log-level debug
   ate-devplugd probe
+  ate-devplugd doctor --json
   ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
-             1 probe found a socket that does not answer.
+             1 probe found a socket that does not answer, or doctor found a FAIL.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
 """
 
-COMMANDS = ("run", "check-config", "probe", "dra-manifests")
+COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--plugin-dir", metavar="DIR", help="directory to probe (default: from the config)")
     probe.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call timeout")
 
+    doctor = sub.add_parser("doctor", help="will a sandbox pod get a working device here? one line per check")
+    add_config(doctor)
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+
     manifests = sub.add_parser("dra-manifests", help="print the cluster objects DRA mode needs, as YAML")
     add_config(manifests)
     manifests.add_argument(
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run":
         early.restore()
 
+    if args.command == "doctor":
+        return _doctor(args.config, as_json=args.json)
     try:
         cfg = configmod.load(args.config)
         if args.command == "run":
@@ -191,6 +199,17 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
         return EX_FAILURE
     print(nodeprobe.render(rows))
     return EX_FAILURE if any(row.error for row in rows) else os.EX_OK
+
+
+def _doctor(config_path: Path | None, *, as_json: bool) -> int:
+    import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
+
+    from ate_devplugd import doctor  # noqa: PLC0415 - gRPC and the kernel view only for this command
+    from ate_devplugd.kernel import UdevKernelView  # noqa: PLC0415
+
+    findings = asyncio.run(doctor.examine(config_path, doctor.Node(kernel=UdevKernelView())))
+    print(doctor.render_json(findings) if as_json else doctor.render(findings))
+    return EX_FAILURE if doctor.failed(findings) else os.EX_OK
 
 
 def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) -> int:

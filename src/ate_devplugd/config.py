@@ -55,6 +55,8 @@ class Config:
     cdi_dir: str = DEFAULT_CDI_DIR
     #: The metrics file for node_exporter's textfile collector; "" turns metrics off.
     metrics_file: str = DEFAULT_METRICS_FILE
+    #: The container runtime's CRI socket, asked whether it applies CDI; "" for the first usual one that exists.
+    runtime_socket: str = ""
     devices: tuple[DeviceConfig, ...] = field(default=DEFAULT_DEVICES)
     #: ``device-plugin`` (kubelet's device-plugin API) or ``dra`` (a DRA driver); never both at once.
     mode: str = "device-plugin"
@@ -127,7 +129,8 @@ def from_mapping(
 ) -> Config:
     """Validate an already-parsed mapping (the TOML document)."""
     errors: list[str] = []
-    known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "device", "mode", "dra"}
+    known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket", "device", "mode"}
+    known.add("dra")
     errors.extend(f"unknown key {key!r}" for key in data if key not in known)
     top: dict[str, Any] = {}
     for key in ("plugin_dir", "dev_root", "cdi_dir"):
@@ -137,6 +140,8 @@ def from_mapping(
         top["log_level"] = _log_level("log_level", data["log_level"], errors)
     if "metrics_file" in data:
         top["metrics_file"] = _metrics_file(data["metrics_file"], errors)
+    if "runtime_socket" in data:
+        top["runtime_socket"] = _runtime_socket(data["runtime_socket"], errors)
     mode = "device-plugin"
     if "mode" in data or "dra" in data:
         # DRA mode's checks are read only where the file speaks of it (they cost start-up a few ms).
@@ -188,6 +193,15 @@ def _metrics_file(value: object, errors: list[str]) -> str:
     return ""
 
 
+def _runtime_socket(value: object, errors: list[str]) -> str:
+    if value == "":
+        return ""
+    if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
+        errors.append(f'runtime_socket: must be an absolute path or "" (the usual runtime sockets), not {value!r}')
+        return ""
+    return posixpath.normpath(value)
+
+
 def _log_level(key: str, value: object, errors: list[str]) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
@@ -203,6 +217,7 @@ def render(config: Config) -> str:
         f"log_level = {toml_str(config.log_level)}",
         f"cdi_dir = {toml_str(config.cdi_dir)}",
         f"metrics_file = {toml_str(config.metrics_file)}",
+        f"runtime_socket = {toml_str(config.runtime_socket)}",
     ]
     lines.append(f"mode = {toml_str(config.mode)}")
     for dev in config.devices:

@@ -5,8 +5,10 @@ netlink socket; only then look at the devices (each look also writes the device'
 one); then start the mode: device-plugin mode's sessions (``plugins.DevicePlugins``: each serves its
 socket, proves it answers, then registers) or DRA mode's driver (``dra.mode.DraMode``). READY=1 goes out
 once every present device has been served, whether or not kubelet is there; the metrics file follows
-from then on. The main loop sleeps until a signal's flag is set; the only timers are the watchdog ping,
-the sessions' back-off and the metrics file's coalescing delay. Reload applies a config diff: added
+from then on, and so does the question to the container runtime whether it applies our CDI names
+(``runtime_cdi.RuntimeCheck``: asked again on reload and when kubelet starts, never on a timer). The
+main loop sleeps until a signal's flag is set; the only timers are the watchdog ping, the sessions'
+back-off and the metrics file's coalescing delay. Reload applies a config diff: added
 resources are served, removed ones stopped, changed ones keep serving (their new list goes out on the
 open ListAndWatch stream).
 """
@@ -35,6 +37,7 @@ from ate_devplugd.logs import EventLog
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.notify import Notifier, watchdog_interval
 from ate_devplugd.plugins import DevicePlugins
+from ate_devplugd.runtime_cdi import RuntimeCheck, RuntimeReport, wanted
 from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
 
@@ -68,7 +71,8 @@ class Daemon:
         self._metrics = Metrics()
         self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
         self._cdi = CdiSpecs(config.cdi_dir)
-        self._watch = KubeletWatch(config.plugin_dir, self._metrics.kubelet_restart)
+        self._watch = KubeletWatch(config.plugin_dir, self._kubelet_started)
+        self._runtime = RuntimeCheck(self._runtime_report)
         self._udev: UdevWatcher | None = None
         self._registry: DeviceRegistry | None = None
         #: Device-plugin mode's sessions, or DRA mode's driver: what serves the resources to kubelet.
@@ -120,6 +124,7 @@ class Daemon:
         finally:
             if watchdog is not None:
                 watchdog.cancel()
+            await self._runtime.close()
             if self._mode is not None:
                 await self._mode.stop()
             self._metrics_file.close()
@@ -160,6 +165,7 @@ class Daemon:
         # Metrics from now on: the first write (and prometheus_client's import) comes after READY.
         self._metrics.on_change = self._metrics_file.changed
         self._metrics_file.start()
+        self._ask_runtime()
         return True
 
     def _start_udev(self) -> KernelView:
@@ -184,6 +190,24 @@ class Daemon:
             self._mode.looked(resource)
         if event is not None:
             self._update_status()
+
+    def _kubelet_started(self) -> None:
+        self._metrics.kubelet_restart()
+        self._ask_runtime()
+
+    def _ask_runtime(self) -> None:
+        """Ask the container runtime whether it applies our CDI names (at start, on reload, when kubelet
+        starts: operators change the runtime's config together with restarts). It never delays anything."""
+        cfg = self.config
+        enabled = wanted(any(dev.cdi for dev in cfg.devices), cfg.mode)
+        self._runtime.start(socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled)
+
+    def _runtime_report(self, report: RuntimeReport | None) -> None:
+        if report is None:
+            self._metrics.set_runtime_cdi(None)
+        else:
+            self._metrics.set_runtime_cdi(report.verdict, report.runtime)
+        self._update_status()
 
     def _on_uevents(self, uevents: list[UEvent]) -> None:
         for ue in uevents:
@@ -223,8 +247,11 @@ class Daemon:
 
     # -- status ----------------------------------------------------------------------------------
     def status_line(self) -> str:
-        """STATUS=: one part per resource in device-plugin mode, the driver's state in DRA mode."""
-        return self._mode.status_line() if self._mode is not None else "starting"
+        """STATUS=: one part per resource in device-plugin mode, the driver's state in DRA mode; then what
+        the runtime does with CDI names, once it has answered."""
+        line = self._mode.status_line() if self._mode is not None else "starting"
+        report = self._runtime.report
+        return line if report is None else f"{line} | cdi: {report.describe()}"
 
     def _update_status(self) -> None:
         if self._ready:
@@ -266,6 +293,7 @@ class Daemon:
         if self._udev is not None:
             self._udev.set_subsystems(self._registry.subsystems())
         await self._mode.start(change.added)
+        self._ask_runtime()
         self._events.info(
             "reload",
             "reloaded: %d added, %d changed, %d removed, %d unchanged",

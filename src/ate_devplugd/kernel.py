@@ -17,6 +17,8 @@ from typing import Protocol
 
 #: _IO(KVMIO, 0x00): returns the KVM API version, 12 on every kernel since 2.6.22.
 KVM_GET_API_VERSION = 0xAE00
+#: _IO(KVMIO, 0x01): creates a VM and returns its fd; fails where the CPU's virtualisation is off.
+KVM_CREATE_VM = 0xAE01
 
 #: Written at boot by kmod-static-nodes.service from modules.devname; readable where /lib/modules is not
 #: (the unit's ProtectKernelModules= hides it).
@@ -49,6 +51,9 @@ class KernelView(Protocol):
 
     def open_node(self, path: str) -> None:
         """Open and close the node (the kernel loads its module on first open); raises OSError."""
+
+    def kvm_create_vm(self, path: str) -> None:
+        """Create a VM through the node and close it at once (``doctor``); raises OSError."""
 
 
 class UdevKernelView:
@@ -98,6 +103,13 @@ class UdevKernelView:
 
     def open_node(self, path: str) -> None:
         os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY))
+
+    def kvm_create_vm(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.close(fcntl.ioctl(fd, KVM_CREATE_VM, 0))
+        finally:
+            os.close(fd)
 
 
 def _read_lines(filename: str) -> list[str]:

@@ -49,7 +49,8 @@ class InstanceLock:
             sock.close()
             if exc.errno != errno.EADDRINUSE:
                 raise
-            uid = self._holder_uid()
+            holder = self.holder()
+            uid = None if holder is None else holder[1]
             if uid == os.geteuid():
                 return False
             # Abstract names have no permissions: any local user may bind this one first. A holder of
@@ -70,8 +71,8 @@ class InstanceLock:
                 return
             peer.close()
 
-    def _holder_uid(self) -> int | None:
-        """The user of the process holding the lock name (an ate-devplugd listens on it), if it answers."""
+    def holder(self) -> tuple[int, int] | None:
+        """(pid, uid) of the process holding the lock name (an ate-devplugd listens on it), if it answers."""
         peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         peer.settimeout(1.0)
         try:
@@ -81,8 +82,8 @@ class InstanceLock:
             return None
         finally:
             peer.close()
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        return int(uid)
+        pid, uid, _gid = struct.unpack("3i", creds)
+        return int(pid), int(uid)
 
     def release(self) -> None:
         if self._sock is not None:

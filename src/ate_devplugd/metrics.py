@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import __version__
+from ate_devplugd.runtime_cdi import CdiVerdict
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -98,6 +99,8 @@ class Metrics:
         self.kubelet_restarts = 0
         self.reloads = 0
         self.reload_failures = 0
+        #: The runtime's CDI verdict and the runtime (``containerd 1.7.24``); None while nothing is checked.
+        self._runtime_cdi: tuple[CdiVerdict, str] | None = None
         self._registry: Any = None
 
     def _changed(self) -> None:
@@ -183,6 +186,13 @@ class Metrics:
         self.reload_failures += 1
         self._changed()
 
+    def set_runtime_cdi(self, verdict: CdiVerdict | None, runtime: str = "") -> None:
+        """What the runtime does with our CDI names (None: not checked, no series)."""
+        new = None if verdict is None else (verdict, runtime)
+        if new != self._runtime_cdi:
+            self._runtime_cdi = new
+            self._changed()
+
     # -- exposition --------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The metrics in the Prometheus text format (version 0.0.4), as node_exporter reads them."""
@@ -228,6 +238,16 @@ class Metrics:
             family = CounterMetricFamily(PREFIX + name, doc)
             family.add_metric([], count)
             yield family
+        if self._runtime_cdi is not None:
+            current, runtime = self._runtime_cdi
+            cdi = GaugeMetricFamily(
+                PREFIX + "runtime_cdi",
+                "1 for what the container runtime does with the daemon's CDI names, 0 for the other verdicts.",
+                labels=["verdict", "runtime"],
+            )
+            for verdict in CdiVerdict:
+                cdi.add_metric([verdict.value, runtime], float(verdict is current))
+            yield cdi
 
 
 class _Collector:

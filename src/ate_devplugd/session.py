@@ -108,8 +108,11 @@ class Session:
         self._kick.set()
 
     async def _wait(self, timeout: float | None = None) -> None:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that lands in the same loop
+        # turn as the kick, and the stopped session would go on registering.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._kick.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._kick.wait()
         self._kick.clear()
 
     async def run(self) -> None:

@@ -35,6 +35,7 @@ from tests.fakes.apivalidation import Problem, field_value, parse_selector, stat
 from tests.fakes.certs import Pki
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
 
 
 @dataclass
@@ -54,6 +55,10 @@ class FakeApiServer:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
+        #: DeviceClasses (cluster-scoped, read only here); ``device_classes_forbidden`` refuses the list,
+        #: as the node authorizer's rules give kubelet's credentials no access to them.
+        self.device_classes: dict[str, dict[str, Any]] = {}
+        self.device_classes_forbidden = False
         self.changes: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self.requests: list[str] = []
         self.forbidden_answers = 0
@@ -183,7 +188,7 @@ class FakeApiServer:
                 self.forbidden_answers += 1
             return web.json_response(status(p.code, p.reason, p.message), status=p.code)
 
-    async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911 - one return per route
+    async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911, PLR0912 - one return per route
         if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
             raise Problem(401, "Unauthorized", "Unauthorized")
         path, method = request.path, request.method
@@ -193,6 +198,8 @@ class FakeApiServer:
             return web.json_response(self._get(self.nodes, m[1], "nodes"))
         if m := re.fullmatch(r"/apis/resource.k8s.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)", path):
             return web.json_response(self._get(self.claims, (m[1], m[2]), "resourceclaims.resource.k8s.io"))
+        if path == DEVICE_CLASSES and method == "GET":
+            return self._device_classes()
         if path == SLICES and method == "POST":
             return web.json_response(self._create(await self._body(request)), status=201)
         if path == SLICES and method == "GET":
@@ -227,6 +234,12 @@ class FakeApiServer:
                 self._get(self.slices, name, "resourceslices.resource.k8s.io")
                 return web.json_response(self._delete(name))
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
+
+    def _device_classes(self) -> web.StreamResponse:
+        if self.device_classes_forbidden:
+            raise Problem(403, "Forbidden", "deviceclasses.resource.k8s.io is forbidden: User cannot list resource")
+        items = [copy.deepcopy(c) for c in self.device_classes.values()]
+        return web.json_response({"kind": "DeviceClassList", "apiVersion": "resource.k8s.io/v1", "items": items})
 
     @staticmethod
     def _get(store: dict[Any, dict[str, Any]], key: Any, what: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd import __version__
 from ate_devplugd.metrics import Metrics
+from ate_devplugd.runtime_cdi import CdiVerdict
 from ate_devplugd.textfile import TextfileWriter
 from tests.prometheus_tools import NodeExporter, node_exporter, promtool, sample, watching
 from tests.support import (
@@ -54,6 +55,7 @@ def busy_metrics() -> Metrics:
     metrics.allocate_error(KVM, "FAILED_PRECONDITION")
     metrics.kubelet_restart()
     metrics.reload()
+    metrics.set_runtime_cdi(CdiVerdict.NOT_APPLIED, "containerd 1.7.24")
     return metrics
 
 
@@ -87,6 +89,9 @@ class TestNodeExporter:
             assert sample(families, "ate_devplugd_allocations_total", resource=KVM) == 7
             assert sample(families, "ate_devplugd_allocate_errors_total", resource=KVM, code="FAILED_PRECONDITION") == 1
             assert sample(families, "ate_devplugd_kubelet_restarts_total") == 1
+            cdi = {"runtime": "containerd 1.7.24"}
+            assert sample(families, "ate_devplugd_runtime_cdi", verdict="not_applied", **cdi) == 1
+            assert sample(families, "ate_devplugd_runtime_cdi", verdict="applied", **cdi) == 0
             ours = {name: f for name, f in families.items() if name.startswith("ate_devplugd_")}
             assert {f.type for f in ours.values()} == {"gauge", "counter"}
             assert ours["ate_devplugd_allocations"].type == "counter"
@@ -161,7 +166,7 @@ class TestPromtool:
         """promtool check rules accepts the four shipped alerts."""
         rc, out = await promtool("check", "rules", str(RULES))
         assert rc == 0, out
-        assert "SUCCESS: 4 rules found" in out, out
+        assert "SUCCESS: 6 rules found" in out, out
 
     async def test_alerts_fire_when_they_should(self) -> None:
         """promtool test rules: each alert fires for its case after its delay, and not for the healthy ones."""

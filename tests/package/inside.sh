@@ -47,7 +47,7 @@ check() {
 }
 
 finish() {
-    systemctl stop fake-kubelet.service 2>/dev/null
+    systemctl stop fake-kubelet.service fake-runtime.service 2>/dev/null
     journalctl -b --no-pager -o short-monotonic >"$share/journal.txt" 2>&1
     echo DONE >>"$results"
     exit $failed
@@ -188,6 +188,40 @@ cdi_written() {
         [ "$(stat -c %a "$cdi_spec")" = 644 ] && cat "$cdi_spec" >&2
 }
 check "cdi = true: the CDI spec is written to /run/cdi under the hardened unit" cdi_written
+
+# The runtime's CRI socket at containerd's usual path (runtime_socket's default): the sandbox must let
+# the daemon ask it; a reload asks again, and a runtime that ignores CDI is a warning and a STATUS part.
+runtime_asked() {
+    local c; c=$(cursor)
+    systemd-run --unit=fake-runtime --collect -p KillSignal=SIGTERM \
+        -E PYTHONPATH="$share/src" -E PYTHONUNBUFFERED=1 \
+        python3 "$share/fakes/cri.py" --socket /run/containerd/containerd.sock --enable-cdi false &&
+        wait_for 30 test -S /run/containerd/containerd.sock &&
+        systemctl reload "$unit" &&
+        journal_record --after-cursor "$c" --timeout 30 ATE_EVENT=cdi-not-applied >/dev/null &&
+        wait_for 30 sh -c "systemctl show -P StatusText $unit | grep -q 'cdi: containerd 1.7.24~ds1 ignores CDI (enable_cdi = false)'" &&
+        systemctl show -P StatusText "$unit" >&2
+}
+check "the runtime's CRI socket answers the sandboxed daemon: cdi-not-applied, STATUS" runtime_asked
+
+doctor_says() {
+    local out rc
+    out=$(ate-devplugd doctor --json); rc=$?
+    printf '%s\n' "$out" >&2
+    [ "$rc" = 1 ] &&
+        printf '%s' "$out" | python3 -c '
+import json, sys
+doc = json.load(sys.stdin)
+checks = {c["check"]: c for c in doc["checks"]}
+assert checks["daemon"]["level"] == "OK", checks["daemon"]
+assert checks["socket ate.dev/kvm"]["level"] == "OK", checks["socket ate.dev/kvm"]
+assert checks["registered ate.dev/kvm"]["level"] == "OK", checks["registered ate.dev/kvm"]
+assert checks["runtime cdi"]["level"] == "FAIL", checks["runtime cdi"]
+assert "enable_cdi = true" in checks["runtime cdi"]["remedy"]
+'
+}
+check "ate-devplugd doctor --json: daemon, socket and registration OK; the runtime FAILs (exit 1)" doctor_says
+systemctl stop fake-runtime.service 2>/dev/null
 
 # ---- kubelet restart -----------------------------------------------------------------------------
 kubelet_restart() {

@@ -2,6 +2,7 @@
 # The test suite on a Debian release's own Python and packages, from this checkout.
 #
 #   tests/runtime/run-suite.sh SUITE [PYTEST_ARG ...]      # SUITE: trixie, bookworm, ...
+#   tests/runtime/run-suite.sh --build-only SUITE          # only build (or find) the tree; print its path
 #
 # Builds (once, cached) a tree of Debian SUITE with the daemon's runtime packages, pytest and
 # hypothesis, and the tools the suite uses; then runs, as root,
@@ -38,9 +39,10 @@ runtime_packages=(
 )
 # What the suite calls besides Python: udevd/udevadm (udev hotplug tests), strace (idle test),
 # mount (bind/tmpfs faults), chattr (immutable-directory fault), the release's podman with runc and
-# a static libc for its checker (CDI), node_exporter and promtool (metrics). setpriv and unshare
-# come with util-linux, which every tree has.
-test_tools=(udev strace mount e2fsprogs podman runc gcc libc6-dev prometheus-node-exporter prometheus)
+# a static libc for its checker (CDI), its containerd (CRI; the suite on Debian 12 runs trixie's
+# containerd 1.7 from this tree too: tests/runtimes/containerd.py), node_exporter and promtool
+# (metrics). setpriv and unshare come with util-linux, which every tree has.
+test_tools=(udev strace mount e2fsprogs podman runc containerd gcc libc6-dev prometheus-node-exporter prometheus)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 top=$(cd "$here/../.." && pwd)
@@ -48,7 +50,9 @@ script=$here/$(basename "${BASH_SOURCE[0]}")
 
 say() { printf 'run-suite: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 2; }
-[ $# -ge 1 ] || die "usage: $0 SUITE [PYTEST_ARG ...]   (SUITE: trixie, bookworm, ...)"
+build_only=0
+if [ "${1:-}" = --build-only ]; then build_only=1; shift; fi
+[ $# -ge 1 ] || die "usage: $0 [--build-only] SUITE [PYTEST_ARG ...]   (SUITE: trixie, bookworm, ...)"
 suite=$1; shift
 [[ $suite =~ ^[a-z]+$ ]] || die "not a suite name: $suite"
 [ "$(id -u)" = 0 ] || die "must run as root (mmdebstrap, chroot, mknod in the tests)"
@@ -92,6 +96,11 @@ if [ ! -f "$tree/complete" ]; then
     say "built in $((SECONDS - start))s"
 fi
 flock -s 9
+if [ "$build_only" = 1 ]; then
+    say "the $suite tree is $tree"
+    echo "$tree"
+    exit 0
+fi
 
 # ---- the run -------------------------------------------------------------------------------------
 work=$(mktemp -d "${TMPDIR:-/tmp}/ate-devplugd-runtime.XXXXXX")

@@ -1,0 +1,90 @@
+"""``ate-devplugd doctor`` in DRA mode: what the API server holds for this node.
+
+With the daemon's own credentials (the ``[dra]`` kubeconfig): the API server answers; each resource has
+a DeviceClass whose ``extendedResourceName`` is the resource (what lets a pod's ``ate.dev/kvm: 1`` become
+a claim); this node's slice of each resource is published, with devices in it. Whether kubelet holds the
+driver's registration is the daemon's to say (its metrics, read by ``doctor.registration_finding``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ate_devplugd.config import Config
+from ate_devplugd.doctor import Finding, fail, ok, warn
+from ate_devplugd.dra import kubeconfig
+from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import pool_name
+
+DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
+APPLY = "ate-devplugd dra-manifests --kubelet-credentials | kubectl apply -f -"
+
+
+async def findings(cfg: Config, dra: DraConfig, timeout: float) -> list[Finding]:
+    try:
+        credentials = kubeconfig.load(dra.kubeconfig)
+    except kubeconfig.KubeconfigError as exc:
+        return [fail("apiserver", str(exc), f"fix {dra.kubeconfig} (the [dra] kubeconfig)")]
+    client = ApiClient(credentials)
+    try:
+        async with asyncio.timeout(timeout * 3):
+            return await _examine(client, cfg, dra)
+    except TimeoutError:
+        return [fail("apiserver", f"{credentials.server} did not answer within {timeout * 3:g}s")]
+    finally:
+        await client.close()
+
+
+async def _examine(client: ApiClient, cfg: Config, dra: DraConfig) -> list[Finding]:
+    server = client.credentials.server
+    selector = f"spec.nodeName={dra.node_name},spec.driver={dra.driver}"
+    try:
+        slices = await client.request("GET", SLICES, params={"fieldSelector": selector})
+    except ApiUnavailable as exc:
+        return [
+            fail("apiserver", f"{server} cannot be reached: {exc}", "IPAddressAllow= in dra-mode.conf; the network")
+        ]
+    except ApiError as exc:
+        return [fail("apiserver", f"{server} refuses these credentials: {exc}", f"check {dra.kubeconfig}")]
+    out = [ok("apiserver", f"{server} answers with {dra.kubeconfig}")]
+    classes: dict[str, Any] | None
+    try:
+        classes = await client.request("GET", DEVICE_CLASSES)
+    except (ApiError, ApiUnavailable) as exc:
+        classes = None
+        out.append(
+            warn("deviceclass", f"cannot list DeviceClasses with these credentials: {exc}", "kubectl get deviceclass")
+        )
+    by_pool = {obj.get("spec", {}).get("pool", {}).get("name"): obj for obj in slices.get("items") or []}
+    for dev in cfg.devices:
+        if classes is not None:
+            out.append(_device_class(classes, dev.resource, dra))
+        obj = by_pool.get(pool_name(dra.node_name, dev.resource))
+        check = f"slice {dev.resource}"
+        if obj is None:
+            out.append(
+                fail(check, f"no ResourceSlice of {dra.driver} for {dra.node_name}", "systemctl status ate-devplugd")
+            )
+            continue
+        count = len(obj.get("spec", {}).get("devices") or [])
+        name = obj.get("metadata", {}).get("name", "?")
+        if count:
+            out.append(ok(check, f"{name} published with {count} device(s)"))
+        else:
+            out.append(fail(check, f"{name} holds no device (the device is absent)", "see the device line"))
+    return out
+
+
+def _device_class(classes: dict[str, Any], resource: str, dra: DraConfig) -> Finding:
+    check = f"deviceclass {resource}"
+    for item in classes.get("items") or []:
+        spec = item.get("spec", {})
+        if spec.get("extendedResourceName") == resource:
+            name = item.get("metadata", {}).get("name", "?")
+            selects = any(dra.driver in str(sel) for sel in spec.get("selectors") or [])
+            if not selects:
+                return fail(check, f"{name} names {resource} but does not select driver {dra.driver}", APPLY)
+            return ok(check, f"{name} has extendedResourceName {resource}")
+    return fail(check, f"no DeviceClass has extendedResourceName {resource}", APPLY)

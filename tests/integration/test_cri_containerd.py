@@ -1,0 +1,141 @@
+"""kubelet's path into the runtime: the daemon's Allocate answer handed to containerd through CRI.
+
+Kubelet does not run containers itself: for a container that asks for ``ate.dev/kvm`` it takes the
+plugin's Allocate answer and sends the runtime a CRI ``CreateContainer`` whose ``devices`` are the
+DeviceSpecs and whose ``CDI_devices`` are the CDI names (``kuberuntime_container.go``: makeDevices,
+makeCDIDevices). These tests do the same against real containerd (tests.runtimes.containerd): the
+daemon runs on the host's /dev/kvm with ``cdi = true`` and answers a real gRPC Allocate from the fake
+kubelet; a pod on the node's network runs the checker as uid 1000, which boots a guest when
+``/dev/kvm`` opens. Each test prints the CRI calls' times and the OCI spec's device entries.
+
+- containerd 1.7 (Debian 13's 1.7.24) with ``enable_cdi = true`` applies the spec: the guest boots;
+- the same containerd with ``enable_cdi = false`` drops the CDI name without a word: EACCES;
+- containerd 1.6 (Debian 12's 1.6.20) has no CDI at all: its CRI API has no field 17, so the name is
+  an unknown field, dropped as silently: EACCES.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ate_devplugd._pb.cri.v1 import api_pb2 as cri
+from tests.podman import NodeStat
+from tests.runtimes.containerd import CheckerRun, ContainerdBuild, Images, oci_node, oci_rules, run_kvmcheck, running
+from tests.support import KvmAllocation, allocated_kvm
+
+DEVICE = "ate.dev/kvm=kvm"
+#: The VMM's user: the pod's runAsUser and runAsGroup.
+VMM_USER = (1000, 1000)
+#: What containerd 1.7 logs (info) when it applies a container's CDI names (pkg/cri/opts WithCDI).
+CDI_LOG = "CDI devices from CRI Config.CDIDevices: [ate.dev/kvm=kvm]"
+
+
+@pytest.fixture
+def host_kvm() -> NodeStat:
+    """The host's /dev/kvm, which must keep strangers out for the negatives to mean anything."""
+    node = NodeStat.of("/dev/kvm")
+    assert node.mode & 0o007 == 0, f"the host's /dev/kvm is {node.mode:#o}: open to every user"
+    return node
+
+
+def cri_devices(allocation: KvmAllocation) -> list[cri.Device]:
+    """The Allocate answer's DeviceSpecs as kubelet puts them in the CRI request."""
+    return [
+        cri.Device(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
+        for d in allocation.device_specs
+    ]
+
+
+async def allocate_and_run(
+    containerd: ContainerdBuild, images: Images, tmp_path: Path, **cri_config: object
+) -> tuple[CheckerRun, str, dict[str, object]]:
+    """A containerd of its own (its CDI spec directory is where the daemon writes), the daemon's Allocate,
+    and one pod as kubelet runs it with that answer. Returns the run, containerd's log and its CRI config."""
+    cdi_dir = tmp_path / "cdi"  # the daemon's cdi_dir in allocated_kvm
+    async with running(containerd, tmp_path / "containerd", images=[images.pause, images.checker], **cri_config) as rt:
+        config = await rt.client.config()
+        async with allocated_kvm(tmp_path) as allocation:
+            assert allocation.cdi_dir == cdi_dir
+            assert allocation.cdi_names == [DEVICE]
+            run = await run_kvmcheck(
+                rt,
+                devices=cri_devices(allocation),
+                cdi_devices=allocation.cdi_names,
+                run_as_user=VMM_USER[0],
+                run_as_group=VMM_USER[1],
+            )
+    print(run.summary())
+    return run, rt.log(), config
+
+
+def assert_vmm_user(run: CheckerRun) -> None:
+    """The checker ran as the pod's user, with no group but its own."""
+    assert run.check is not None, run
+    assert (run.check.uid, run.check.gid) == VMM_USER, run.check.raw
+    assert set(run.check.groups) <= {VMM_USER[1]}, run.check.raw
+
+
+class TestContainerd17:
+    async def test_cdi_on_the_guest_boots(
+        self, containerd_17: ContainerdBuild, cri_images: Images, tmp_path: Path, host_kvm: NodeStat
+    ) -> None:
+        """enable_cdi = true: the spec's node (0666) replaces the DeviceSpec's, and uid 1000 boots the guest."""
+        run, log, config = await allocate_and_run(
+            containerd_17, cri_images, tmp_path, enable_cdi=True, cdi_spec_dirs=[tmp_path / "cdi"]
+        )
+        assert (config["enableCDI"], config["cdiSpecDirs"]) == (True, [str(tmp_path / "cdi")])
+        assert run.failed_call is None, run
+        assert_vmm_user(run)
+        assert run.check is not None and run.check.guest is not None, run.check
+        assert run.check.guest.booted, run.check.guest
+        (node,) = oci_node(run, "/dev/kvm")
+        assert (node["type"], node["major"], node["minor"], node["fileMode"]) == (
+            "c",
+            host_kvm.major,
+            host_kvm.minor,
+            0o666,
+        ), node
+        # Both grants add the cgroup rule: the DeviceSpec's and the CDI spec's.
+        assert oci_rules(run, host_kvm.major, host_kvm.minor) == ["rw", "rw"], run.oci_device_rules
+        assert CDI_LOG in log
+
+    async def test_cdi_off_the_name_is_dropped(
+        self, containerd_17: ContainerdBuild, cri_images: Images, tmp_path: Path, host_kvm: NodeStat
+    ) -> None:
+        """enable_cdi = false (the default): the same container gets the host's node and EACCES, and
+        nothing in containerd's log says the CDI name was ignored."""
+        run, log, config = await allocate_and_run(containerd_17, cri_images, tmp_path, enable_cdi=False)
+        assert config["enableCDI"] is False
+        assert run.failed_call is None, run
+        assert_vmm_user(run)
+        assert run.check is not None
+        assert run.check.node == host_kvm, run.check.raw
+        assert run.check.open_error == "EACCES", run.check.raw
+        assert run.check.guest is None
+        (node,) = oci_node(run, "/dev/kvm")
+        assert (node["fileMode"], node["uid"], node["gid"]) == (host_kvm.mode, host_kvm.uid, host_kvm.gid), node
+        assert oci_rules(run, host_kvm.major, host_kvm.minor) == ["rw"], run.oci_device_rules
+        assert DEVICE not in log
+
+
+class TestContainerd16:
+    async def test_no_cdi_the_name_is_dropped(
+        self, containerd_16: ContainerdBuild, cri_images: Images, tmp_path: Path, host_kvm: NodeStat
+    ) -> None:
+        """containerd 1.6 knows no CDI: CreateContainer succeeds, the name is dropped without a word, and the
+        container has the DeviceSpec's node alone: EACCES."""
+        run, log, config = await allocate_and_run(containerd_16, cri_images, tmp_path)
+        assert "enableCDI" not in config and "cdiSpecDirs" not in config, sorted(config)
+        assert run.failed_call is None, run
+        assert_vmm_user(run)
+        assert run.check is not None
+        assert run.check.node == host_kvm, run.check.raw
+        assert run.check.open_error == "EACCES", run.check.raw
+        (node,) = oci_node(run, "/dev/kvm")
+        assert (node["fileMode"], node["uid"], node["gid"]) == (host_kvm.mode, host_kvm.uid, host_kvm.gid), node
+        assert oci_rules(run, host_kvm.major, host_kvm.minor) == ["rw"], run.oci_device_rules
+        assert DEVICE not in log
+        assert os.path.exists(tmp_path / "cdi" / "ate.dev-kvm.json")  # the spec was there to be read

@@ -1,0 +1,254 @@
+"""``ate-devplugd doctor`` on a node made of real parts in a temp directory: the daemon on the test's loop
+with the fake kernel, the fake kubelet, a fake runtime answering CRI on a unix socket, a stand-in
+kubelet binary. No root needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+from pathlib import Path
+
+from ate_devplugd import cli
+from ate_devplugd.config import Config, render
+from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
+from ate_devplugd.doctor import render as render_text
+from ate_devplugd.dra import manifests
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import DraResource, build_pools, slice_spec
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.cri import FakeRuntime, containerd_info
+from tests.integration.dra_rig import NODE, TOKEN, write_kubeconfig
+from tests.support import FakeKernel, daemon_in_process, kvm_config, started_kubelet, wait_for_content
+
+
+def node_config(tmp_path: Path, plugin_dir: Path, fake_root: Path, **top: str) -> tuple[Config, Path]:
+    """A CDI kvm resource with metrics on; the config also written to a file (doctor reads a file)."""
+    prom = tmp_path / "metrics" / "ate-devplugd.prom"
+    prom.parent.mkdir(exist_ok=True)
+    config = dataclasses.replace(
+        kvm_config(plugin_dir, fake_root, metrics_file=prom, cdi=True, container_mode=0o666),
+        runtime_socket=str(tmp_path / "runtime.sock"),
+        **top,
+    )
+    path = tmp_path / "config.toml"
+    path.write_text(render(config))
+    return config, path
+
+
+def kubelet_binary(tmp_path: Path, version: str) -> Path:
+    """A stand-in for the kubelet binary: ``--version`` prints what kubelet 1.x prints."""
+    script = tmp_path / "kubelet"
+    script.write_text(f"#!/bin/sh\necho 'Kubernetes {version}'\n")
+    script.chmod(0o755)
+    return script
+
+
+def host_node(fake_root: Path, mode: int = 0o660) -> None:
+    """The host's /dev/kvm as doctor stats it (the fake kernel's table gives its numbers)."""
+    node = fake_root / "dev" / "kvm"
+    node.write_text("")
+    node.chmod(mode)
+
+
+def by_check(findings: list[Finding]) -> dict[str, Finding]:
+    return {f.check: f for f in findings}
+
+
+class TestAllRight:
+    async def test_only_ok_lines(self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """Daemon registered, kubelet 1.31, containerd 1.7 applying CDI from our directory: every line OK."""
+        config, path = node_config(tmp_path, plugin_dir, fake_root)
+        host_node(fake_root)
+        info = containerd_info(True, ["/etc/cdi", config.cdi_dir])
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "1.7.24~ds1", info).start()
+        kubelet = await started_kubelet(plugin_dir)
+        binary = kubelet_binary(tmp_path, "v1.31.2")
+        try:
+            async with daemon_in_process(config, kernel):
+                await kubelet.next_event("list")
+                await wait_for_content(Path(config.metrics_file), 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0')
+                findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: str(binary)))
+        finally:
+            await kubelet.stop()
+            await runtime.stop()
+        text = render_text(findings)
+        assert {f.level for f in findings} == {Level.OK}, text
+        assert not failed(findings)
+        checks = by_check(findings)
+        assert list(checks) == [
+            "config",
+            "device ate.dev/kvm",
+            "kvm ate.dev/kvm",
+            "access ate.dev/kvm",
+            "daemon",
+            "socket ate.dev/kvm",
+            "registered ate.dev/kvm",
+            "kubelet",
+            "kubelet version",
+            "cgroup",
+            "runtime",
+            "runtime cdi",
+        ]
+        assert checks["device ate.dev/kvm"].message == "/dev/kvm: character device 10:232"
+        assert checks["access ate.dev/kvm"].message.startswith("host 0660 ")
+        assert "containers get 0666 through CDI" in checks["access ate.dev/kvm"].message
+        assert checks["daemon"].message == f"running (pid {os.getpid()})"
+        assert checks["runtime"].message == f"containerd 1.7.24~ds1 at {tmp_path / 'runtime.sock'}"
+        assert checks["runtime cdi"].message == f"containerd 1.7.24~ds1 applies CDI (reads {config.cdi_dir})"
+        assert checks["kubelet version"].message == "v1.31.2: passes CDI names to the runtime"
+        assert all(line.startswith("OK    ") for line in text.splitlines())
+
+
+class TestFailures:
+    async def test_a_node_that_cannot_run_guests(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """KVM_GET_API_VERSION answers but KVM_CREATE_VM fails: FAIL, saying why; nothing else is running."""
+        _, path = node_config(tmp_path, plugin_dir, fake_root)
+        host_node(fake_root)
+        kernel.create_vm_error = OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: None))
+        checks = by_check(findings)
+        kvm = checks["kvm ate.dev/kvm"]
+        assert kvm.level is Level.FAIL
+        name = errno.errorcode[errno.EOPNOTSUPP]
+        assert f"answers KVM_GET_API_VERSION but KVM_CREATE_VM fails ({name}" in kvm.message
+        assert "nested virtualisation" in kvm.message
+        assert checks["daemon"].level is Level.FAIL
+        assert checks["kubelet"].level is Level.FAIL
+        assert checks["kubelet version"].level is Level.WARN
+        assert checks["runtime"].level is Level.WARN  # no socket
+        assert checks["runtime cdi"].level is Level.WARN
+        assert failed(findings)
+
+    async def test_runtime_ignoring_cdi(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """containerd 1.7 with enable_cdi = false: the runtime line FAILs with the remedy; access WARNs why."""
+        _, path = node_config(tmp_path, plugin_dir, fake_root)
+        host_node(fake_root)
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "1.7.24", containerd_info(False)).start()
+        try:
+            findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: None))
+        finally:
+            await runtime.stop()
+        checks = by_check(findings)
+        cdi = checks["runtime cdi"]
+        assert cdi.level is Level.FAIL
+        assert cdi.message.startswith(
+            "containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node"
+        )
+        assert "enable_cdi = true" in cdi.remedy
+        assert checks["access ate.dev/kvm"].level is Level.WARN
+        assert "gets EACCES" in checks["access ate.dev/kvm"].message
+
+    async def test_old_kubelet_and_unreadable_dir(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """kubelet 1.27 passes no CDI names (FAIL); a spec directory the runtime does not read (FAIL)."""
+        _, path = node_config(tmp_path, plugin_dir, fake_root)
+        host_node(fake_root, 0o666)
+        runtime = await FakeRuntime(
+            tmp_path / "runtime.sock", "containerd", "v2.0.0", containerd_info(True, ["/etc/cdi"])
+        ).start()
+        binary = kubelet_binary(tmp_path, "v1.27.9")
+        try:
+            findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: str(binary)))
+        finally:
+            await runtime.stop()
+        checks = by_check(findings)
+        assert checks["kubelet version"].level is Level.FAIL
+        assert checks["runtime cdi"].level is Level.FAIL
+        assert "leaves out" in checks["runtime cdi"].message
+        assert "cdi_spec_dirs" in checks["runtime cdi"].remedy
+        assert checks["access ate.dev/kvm"].level is Level.OK  # a 0666 host node needs no CDI
+
+
+class TestOutput:
+    def test_lines_and_json(self) -> None:
+        """One line each, remedy after the dash; JSON carries the same with a summary and ok."""
+        findings = [
+            Finding("config", Level.OK, "defaults"),
+            Finding("kubelet", Level.FAIL, "no kubelet.sock", "systemctl start kubelet"),
+        ]
+        assert render_text(findings).splitlines() == [
+            "OK    config   defaults",
+            "FAIL  kubelet  no kubelet.sock -- systemctl start kubelet",
+        ]
+        doc = json.loads(render_json(findings))
+        assert doc["ok"] is False
+        assert doc["summary"] == {"OK": 1, "WARN": 0, "FAIL": 1}
+        assert doc["checks"][1] == {
+            "check": "kubelet",
+            "level": "FAIL",
+            "message": "no kubelet.sock",
+            "remedy": "systemctl start kubelet",
+        }
+
+    def test_bad_config_exits_1(self, tmp_path: Path, capsys: object) -> None:
+        """A config that does not load is a FAIL naming the field; the exit status is 1."""
+        bad = tmp_path / "config.toml"
+        bad.write_text('runtime_socket = "relative.sock"\n')
+        assert cli.main(["doctor", "--json", "--config", str(bad)]) == 1
+        out = capsys.readouterr().out  # type: ignore[attr-defined]
+        doc = json.loads(out)
+        assert doc["checks"][0]["check"] == "config"
+        assert "runtime_socket: must be an absolute path" in doc["checks"][0]["message"]
+
+
+class TestDraMode:
+    async def test_api_side(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """DRA mode: the API server answers with the kubeconfig; the DeviceClass of dra-manifests is found;
+        no slice of this node is a FAIL, one with devices is OK; a refused DeviceClass list is a WARN."""
+        api = FakeApiServer(NODE, token=TOKEN)
+        await api.start()
+        try:
+            kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api.url)
+            path = tmp_path / "config.toml"
+            path.write_text(
+                f'mode = "dra"\ndev_root = "{fake_root}"\ncdi_dir = "{tmp_path / "cdi"}"\nmetrics_file = ""\n'
+                f'runtime_socket = "{tmp_path / "runtime.sock"}"\nplugin_dir = "{tmp_path / "dp"}"\n'
+                f'[dra]\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\nkubelet_dir = "{tmp_path / "kubelet"}"\n'
+            )
+            dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig))
+            klass = manifests.device_class(dra, "ate.dev/kvm")
+            api.device_classes[klass["metadata"]["name"]] = klass
+            node = Node(kernel=kernel, find_kubelet=lambda: None)
+            checks = by_check(await examine(path, node))
+            assert checks["apiserver"].level is Level.OK
+            assert checks["deviceclass ate.dev/kvm"].level is Level.OK
+            assert checks["deviceclass ate.dev/kvm"].message == "kvm.ate.dev has extendedResourceName ate.dev/kvm"
+            assert checks["slice ate.dev/kvm"].level is Level.FAIL
+
+            pool = build_pools(dra, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")])[0][0]
+            api.slices["s1"] = {
+                "metadata": {"name": "s1"},
+                "spec": slice_spec(dra, pool, 1, present=True),
+            }
+            api.device_classes.clear()
+            checks = by_check(await examine(path, node))
+            assert checks["slice ate.dev/kvm"].level is Level.OK
+            assert checks["slice ate.dev/kvm"].message == "s1 published with 128 device(s)"
+            assert checks["deviceclass ate.dev/kvm"].level is Level.FAIL
+            assert "dra-manifests" in checks["deviceclass ate.dev/kvm"].remedy
+
+            api.device_classes_forbidden = True
+            checks = by_check(await examine(path, node))
+            assert checks["deviceclass"].level is Level.WARN
+        finally:
+            await api.stop()
+
+    async def test_unreachable(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """An API server nobody answers for: one FAIL naming it."""
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:9")
+        path = tmp_path / "config.toml"
+        path.write_text(
+            f'mode = "dra"\ndev_root = "{fake_root}"\nmetrics_file = ""\nplugin_dir = "{tmp_path / "dp"}"\n'
+            f'runtime_socket = "{tmp_path / "runtime.sock"}"\n'
+            f'[dra]\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\n'
+        )
+        checks = by_check(await examine(path, Node(kernel=kernel, find_kubelet=lambda: None)))
+        assert checks["apiserver"].level is Level.FAIL
+        assert "http://127.0.0.1:9 cannot be reached" in checks["apiserver"].message

@@ -1,0 +1,167 @@
+"""The daemon asks the runtime whether it applies CDI: STATUS, one journal event, the metric.
+
+A fake runtime (``tests/fakes/cri.py``) answers on a real unix socket with recorded or rule-built
+answers; the daemon runs on the test's loop with the fake kernel and kubelet. No root needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ate_devplugd.config import Config
+from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME
+from tests.fakes.cri import FakeRuntime, containerd_info, recorded
+from tests.support import (
+    FakeKernel,
+    NotifyReceiver,
+    daemon_in_process,
+    kvm_config,
+    started_kubelet,
+    wait_for_content,
+)
+
+KVM_READY = "ate.dev/kvm: 4096/4096 healthy, waiting for kubelet"
+
+
+def cdi_config(plugin_dir: Path, fake_root: Path, tmp_path: Path, **top: str) -> Config:
+    config = kvm_config(plugin_dir, fake_root, cdi=True, container_mode=0o666)
+    return dataclasses.replace(config, runtime_socket=str(tmp_path / "runtime.sock"), **top)
+
+
+def metric_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith("ate_devplugd_runtime_cdi")]
+
+
+class TestVerdictShown:
+    async def test_enable_cdi_false(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """containerd 1.7 with CDI off (its recorded answer): STATUS, one warning event, asked again on reload."""
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", *recorded("containerd-1.7.24-cdi-off")).start()
+        notify = NotifyReceiver(tmp_path / "notify")
+        prom = tmp_path / "m.prom"
+        config = dataclasses.replace(cdi_config(plugin_dir, fake_root, tmp_path), metrics_file=str(prom))
+        try:
+            async with daemon_in_process(config, kernel, notify=notify.path) as running:
+                want = f"{KVM_READY} | cdi: containerd 1.7.24~ds1 ignores CDI (enable_cdi = false)"
+                await notify.wait_for(lambda f: f.get("STATUS") == want)
+                event = await running.events.wait_for(EVENT_NOT_APPLIED)
+                assert event.levelname == "WARNING"
+                assert "non-root VMM gets EACCES" in event.getMessage()
+                await running.daemon.reload()
+                await runtime.wait_for_calls("Status", 2)  # asked again on reload
+                await running.stop()
+            assert len(running.events.named(EVENT_NOT_APPLIED)) == 1  # the same verdict is not logged again
+        finally:
+            await runtime.stop()
+            await notify.close()
+
+    async def test_metric(self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """One series per verdict, 1 for the current one, with the runtime named."""
+        cdi = str(plugin_dir.parent / "cdi")
+        answer = containerd_info(True, ["/etc/cdi", cdi])
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "v1.7.24", answer).start()
+        prom = tmp_path / "m.prom"
+        config = dataclasses.replace(cdi_config(plugin_dir, fake_root, tmp_path), metrics_file=str(prom))
+        try:
+            async with daemon_in_process(config, kernel):
+                await wait_for_content(
+                    prom, 'ate_devplugd_runtime_cdi{runtime="containerd 1.7.24",verdict="applied"} 1.0'
+                )
+                assert metric_lines(prom) == [
+                    f'ate_devplugd_runtime_cdi{{runtime="containerd 1.7.24",verdict="{verdict}"}} {value}'
+                    for verdict, value in (
+                        ("applied", "1.0"),
+                        ("not_applied", "0.0"),
+                        ("dir_not_read", "0.0"),
+                        ("unknown", "0.0"),
+                    )
+                ]
+        finally:
+            await runtime.stop()
+
+    async def test_kubelet_start_asks_again(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A runtime reconfigured together with a kubelet restart: the new verdict follows the new kubelet.sock."""
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "1.7.24", containerd_info(False)).start()
+        notify = NotifyReceiver(tmp_path / "notify")
+        try:
+            async with daemon_in_process(cdi_config(plugin_dir, fake_root, tmp_path), kernel, notify=notify.path):
+                await notify.wait_for(lambda f: "ignores CDI" in f.get("STATUS", ""))
+                runtime.answer = ("containerd", "1.7.24", containerd_info(True, [str(plugin_dir.parent / "cdi")]))
+                kubelet = await started_kubelet(plugin_dir)
+                try:
+                    await notify.wait_for(
+                        lambda f: f.get("STATUS", "").endswith(
+                            f"| cdi: containerd 1.7.24 applies CDI (reads {plugin_dir.parent / 'cdi'})"
+                        )
+                    )
+                finally:
+                    await kubelet.stop()
+        finally:
+            await runtime.stop()
+            await notify.close()
+
+
+class TestNeverInTheWay:
+    async def test_absent_runtime_is_unknown_once(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """No socket: unknown, logged once at info however often the daemon asks."""
+        notify = NotifyReceiver(tmp_path / "notify")
+        try:
+            async with daemon_in_process(
+                cdi_config(plugin_dir, fake_root, tmp_path), kernel, notify=notify.path
+            ) as running:
+                event = await running.events.wait_for(EVENT_RUNTIME)
+                assert event.levelname == "INFO"
+                assert "no runtime socket at" in event.getMessage()
+                await running.daemon.reload()
+                await running.daemon.reload()
+                await notify.wait_for(lambda f: "cdi: unknown whether CDI is applied" in f.get("STATUS", ""))
+                await running.stop()
+            assert len(running.events.named(EVENT_RUNTIME)) == 1
+            assert not running.events.named(EVENT_NOT_APPLIED)
+        finally:
+            await notify.close()
+
+    async def test_hung_runtime_delays_nothing(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A runtime that never answers: READY, registration and Allocate go on; STATUS shows no verdict."""
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "1.7.24", containerd_info(True)).start()
+        runtime.hang = True
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(cdi_config(plugin_dir, fake_root, tmp_path), kernel, notify=notify.path):
+                await notify.wait_for(lambda f: "READY" in f)
+                await kubelet.next_event("register")
+                response = await kubelet.allocate("ate.dev/kvm", ["kvm-1"])
+                assert [d.name for d in response.container_responses[0].cdi_devices] == ["ate.dev/kvm=kvm"]
+                assert runtime.calls == ["Version"]
+                status = await notify.wait_for(lambda f: f.get("STATUS", "").endswith("registered"))
+                assert "cdi:" not in status["STATUS"]
+        finally:
+            await kubelet.stop()
+            await runtime.stop()
+            await notify.close()
+
+    async def test_no_cdi_no_question(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Without a CDI resource (device-plugin mode) the runtime is not asked and nothing is shown."""
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "1.7.24", containerd_info(False)).start()
+        notify = NotifyReceiver(tmp_path / "notify")
+        config = dataclasses.replace(kvm_config(plugin_dir, fake_root), runtime_socket=str(runtime.socket))
+        try:
+            async with daemon_in_process(config, kernel, notify=notify.path) as running:
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"] == KVM_READY
+                await running.daemon.reload()
+                assert runtime.calls == []
+        finally:
+            await runtime.stop()
+            await notify.close()

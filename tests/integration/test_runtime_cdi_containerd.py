@@ -1,0 +1,191 @@
+"""The CDI verdict against real containerd: what the daemon and ``doctor`` say, and what then happens.
+
+For each runtime setup (containerd 1.7.24 with ``enable_cdi`` true, false, and a ``cdi_spec_dirs`` that
+leaves out the daemon's directory; containerd 1.6.20 as it is) the daemon runs on the host's /dev/kvm with
+``cdi = true`` and ``runtime_socket`` at that containerd: its STATUS, its journal event and its metric
+give the verdict, and ``doctor`` gives it too. Then a pod is run as kubelet runs it with the daemon's
+Allocate answer (tests.runtimes.containerd: CRI CreateContainer with the Devices and CDI names, a VMM as
+uid 1000), and the verdict must predict what the container got: a guest that boots (applied), EACCES
+(not applied), or no container at all (spec directory not read).
+
+They need root, /dev/kvm and containerd; they skip without them, and fail instead where
+``ATE_REQUIRE_CONTAINERD=1`` (``make check``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ate_devplugd.config import Config, render
+from ate_devplugd.doctor import Level, Node, examine
+from ate_devplugd.doctor import render as render_doctor
+from ate_devplugd.kernel import UdevKernelView
+from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME, CdiVerdict
+from tests.fakes.kubelet import FakeKubelet
+from tests.integration.test_cri_containerd import VMM_USER, cri_devices
+from tests.podman import NodeStat
+from tests.runtimes.containerd import CheckerRun, ContainerdBuild, Images, run_kvmcheck, running
+from tests.support import (
+    RESOURCE,
+    KvmAllocation,
+    NotifyReceiver,
+    daemon_in_process,
+    kvm_config,
+    started_kubelet,
+    wait_for_content,
+)
+
+#: What each verdict promises about a container started with the daemon's answer.
+PROMISES: dict[CdiVerdict, Callable[[CheckerRun], bool]] = {
+    CdiVerdict.APPLIED: lambda run: bool(run.check and run.check.guest and run.check.guest.booted),
+    CdiVerdict.NOT_APPLIED: lambda run: bool(run.check and run.check.open_error == "EACCES"),
+    CdiVerdict.DIR_NOT_READ: lambda run: run.failed_call == "CreateContainer" and "unresolvable CDI" in run.error,
+}
+
+
+@pytest.fixture
+def closed_kvm() -> NodeStat:
+    """The host's /dev/kvm keeps strangers out (else EACCES could not happen and would prove nothing)."""
+    node = NodeStat.of("/dev/kvm")
+    assert node.mode & 0o007 == 0, f"the host's /dev/kvm is {node.mode:#o}: open to every user"
+    return node
+
+
+@dataclasses.dataclass
+class Said:
+    """What the daemon and doctor said about one runtime, and what the pod then got."""
+
+    status: str
+    events: list[logging.LogRecord]
+    metrics: list[str]
+    doctor: dict[str, Any]
+    doctor_text: str
+    run: CheckerRun
+
+
+def daemon_config(tmp_path: Path, socket: Path) -> tuple[Config, Path]:
+    plugin_dir = tmp_path / "device-plugins"
+    plugin_dir.mkdir()
+    prom = tmp_path / "metrics" / "ate-devplugd.prom"
+    prom.parent.mkdir()
+    config = dataclasses.replace(
+        kvm_config(plugin_dir, Path("/"), cdi=True, metrics_file=prom), dev_root="/", runtime_socket=str(socket)
+    )
+    path = tmp_path / "config.toml"
+    path.write_text(render(config))
+    return config, path
+
+
+def kubelet_binary(tmp_path: Path) -> Path:
+    """The node's kubelet binary is not part of these tests: a stand-in answers ``--version`` as kubelet 1.31."""
+    script = tmp_path / "kubelet"
+    script.write_text("#!/bin/sh\necho 'Kubernetes v1.31.2'\n")
+    script.chmod(0o755)
+    return script
+
+
+async def observe(
+    containerd: ContainerdBuild, images: Images, tmp_path: Path, verdict: CdiVerdict, **cri_config: object
+) -> Said:
+    """A containerd of its own; the daemon asking it; doctor; then one pod with the daemon's Allocate answer."""
+    async with running(containerd, tmp_path / "containerd", images=[images.pause, images.checker], **cri_config) as rt:
+        config, path = daemon_config(tmp_path, rt.socket)
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet: FakeKubelet = await started_kubelet(Path(config.plugin_dir))
+        try:
+            async with daemon_in_process(config, UdevKernelView(), notify=notify.path) as running_daemon:
+                status = await notify.wait_for(lambda f: "| cdi: " in f.get("STATUS", ""), timeout=30)
+                await kubelet.next_event("list")
+                line = f'ate_devplugd_runtime_cdi{{runtime="{rt_name(status)}",verdict="{verdict.value}"}} 1.0'
+                await wait_for_content(Path(config.metrics_file), line)
+                prom = Path(config.metrics_file)
+                # what doctor reads of the daemon: registered, and kubelet's stream open
+                await wait_for_content(prom, f'ate_devplugd_registered{{resource="{RESOURCE}"}} 1.0')
+                await wait_for_content(prom, f'ate_devplugd_listandwatch_streams{{resource="{RESOURCE}"}} 1.0')
+                metrics = [m for m in prom.read_text().splitlines() if m.startswith("ate_devplugd_runtime_cdi")]
+                binary = kubelet_binary(tmp_path)
+                findings = await examine(path, Node(kernel=UdevKernelView(), find_kubelet=lambda: str(binary)))
+                (response,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+                allocation = KvmAllocation(response, Path(config.cdi_dir))
+                run = await run_kvmcheck(
+                    rt,
+                    devices=cri_devices(allocation),
+                    cdi_devices=allocation.cdi_names,
+                    run_as_user=VMM_USER[0],
+                    run_as_group=VMM_USER[1],
+                )
+                events = running_daemon.events.named(EVENT_RUNTIME) + running_daemon.events.named(EVENT_NOT_APPLIED)
+        finally:
+            await kubelet.stop()
+            await notify.close()
+    text = render_doctor(findings)
+    print(status["STATUS"], *metrics, text, run.summary(), sep="\n")
+    return Said(status["STATUS"], events, metrics, {f.check: f for f in findings}, text, run)
+
+
+def rt_name(status: dict[str, str]) -> str:
+    """The runtime as STATUS names it (``containerd 1.7.24~ds1``)."""
+    part = status["STATUS"].split("| cdi: ", 1)[1]
+    return " ".join(part.split()[:2])
+
+
+def assert_said(said: Said, verdict: CdiVerdict, status_end: str, level: Level) -> None:
+    assert said.status.endswith(status_end), said.status
+    (event,) = said.events
+    if verdict is CdiVerdict.APPLIED:
+        assert (event.levelname, getattr(event, "ATE_EVENT", "")) == ("INFO", EVENT_RUNTIME)
+    else:
+        assert (event.levelname, getattr(event, "ATE_EVENT", "")) == ("WARNING", EVENT_NOT_APPLIED)
+    assert sum(m.endswith(" 1.0") for m in said.metrics) == 1
+    assert f'verdict="{verdict.value}"}} 1.0' in "\n".join(said.metrics)
+    cdi = said.doctor["runtime cdi"]
+    assert cdi.level is level, said.doctor_text
+    assert PROMISES[verdict](said.run), said.run.summary()
+    for other, promise in PROMISES.items():
+        if other is not verdict:
+            assert not promise(said.run), (other, said.run.summary())
+
+
+class TestContainerd17:
+    async def test_enable_cdi_true(
+        self, containerd_17: ContainerdBuild, cri_images: Images, tmp_path: Path, closed_kvm: NodeStat
+    ) -> None:
+        """Applied: STATUS and doctor say so, doctor prints only OK lines, and uid 1000 boots a guest."""
+        cdi = [tmp_path / "cdi"]  # the daemon's cdi_dir
+        verdict = CdiVerdict.APPLIED
+        said = await observe(containerd_17, cri_images, tmp_path, verdict, enable_cdi=True, cdi_spec_dirs=cdi)
+        assert_said(said, CdiVerdict.APPLIED, f"applies CDI (reads {tmp_path / 'cdi'})", Level.OK)
+        assert all(line.startswith("OK ") for line in said.doctor_text.splitlines()), said.doctor_text
+
+    async def test_enable_cdi_false(
+        self, containerd_17: ContainerdBuild, cri_images: Images, tmp_path: Path, closed_kvm: NodeStat
+    ) -> None:
+        """Not applied (enable_cdi = false): a warning event, doctor FAILs the runtime, the VMM gets EACCES."""
+        said = await observe(containerd_17, cri_images, tmp_path, CdiVerdict.NOT_APPLIED, enable_cdi=False)
+        assert_said(said, CdiVerdict.NOT_APPLIED, "ignores CDI (enable_cdi = false)", Level.FAIL)
+        assert said.doctor["access ate.dev/kvm"].level is Level.WARN
+
+    async def test_spec_dirs_leave_ours_out(
+        self, containerd_17: ContainerdBuild, cri_images: Images, tmp_path: Path, closed_kvm: NodeStat
+    ) -> None:
+        """CDI on, but cdi_spec_dirs without the daemon's directory: CreateContainer fails, as predicted."""
+        other = tmp_path / "elsewhere"
+        said = await observe(
+            containerd_17, cri_images, tmp_path, CdiVerdict.DIR_NOT_READ, enable_cdi=True, cdi_spec_dirs=[other]
+        )
+        assert_said(said, CdiVerdict.DIR_NOT_READ, f"leaves out {tmp_path / 'cdi'})", Level.FAIL)
+
+
+class TestContainerd16:
+    async def test_as_it_is(
+        self, containerd_16: ContainerdBuild, cri_images: Images, tmp_path: Path, closed_kvm: NodeStat
+    ) -> None:
+        """containerd 1.6 has no CDI: not applied, and the VMM gets EACCES."""
+        said = await observe(containerd_16, cri_images, tmp_path, CdiVerdict.NOT_APPLIED)
+        assert_said(said, CdiVerdict.NOT_APPLIED, "ignores CDI (no CDI before containerd 1.7)", Level.FAIL)

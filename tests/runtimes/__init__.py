@@ -1,0 +1,1 @@
+"""Real container runtimes driven as kubelet drives them (CRI over gRPC): ``tests.runtimes.containerd``."""
