@@ -145,6 +145,27 @@ class TestDraMode:
             kind, obj = await node.api.next_change("ADDED", timeout=1.0)
             assert kind == "ADDED" and obj["spec"]["nodeName"] == NODE
 
+    async def test_status_when_kubelet_registers_between_its_deletion_and_the_republish(
+        self, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A kubelet restart in this order: its start deletes the slice, it registers the driver again,
+        and only then does the republish land. STATUS says so at each step and ends with all 128
+        devices; it never claims the device is absent."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("dra: registered with kubelet, slice published (128 devices)")
+            node.api.hold_creates()
+            assert node.api.kubelet_restarted()
+            await node.api.next_request("POST /apis/resource.k8s.io/v1/resourceslices")  # held
+            await node.status("dra: registered with kubelet, slices deleted, publishing again")
+            await node.kubelet.restart()
+            await node.kubelet.next_event("registered")  # after the daemon answered the notice
+            node.api.release_creates()
+            await node.api.next_change("ADDED")
+            await node.status("dra: registered with kubelet, slice published (128 devices)")
+            shown = [f["STATUS"] for f in node.notify.history if "STATUS" in f]
+            assert not [s for s in shown if "no device present" in s], shown
+
     async def test_live_socket_at_the_registration_path_stops_the_start(
         self, fake_root: Path, kernel: FakeKernel
     ) -> None:

@@ -36,6 +36,8 @@ WATCH_SECONDS = 600
 class SliceState(enum.Enum):
     WAITING = "waiting"
     PUBLISHED = "published"
+    #: Someone else deleted a slice (kubelet's start, its 30 s driver grace, a recreated Node).
+    REPUBLISHING = "deleted, publishing again"
     KUBECONFIG_ERROR = "kubeconfig error"
     API_ERROR = "API server error"
 
@@ -89,7 +91,10 @@ class SlicePublisher:
             self._wake.set()
 
     def _set_state(self, state: SliceState, detail: str = "") -> None:
-        """Record the state; tell the owner when anything it shows changed (state, detail, counts)."""
+        """Record the state; tell the owner when anything it shows changed (state, detail, counts).
+
+        Called after every change to what the owner shows, the stored slices included: what was last
+        shown is only a de-duplication, and must follow each of them, deletions too."""
         self.state, self.detail = state, detail
         shown = (state, detail, self.published_devices, self.sharing_dropped)
         if shown != self._shown:
@@ -185,6 +190,7 @@ class SlicePublisher:
                 raise _Expired
             raise ApiUnavailable(f"watch: {obj.get('code')} {obj.get('reason', '')}: {obj.get('message', '')}")
         self._resource_version = str(meta.get("resourceVersion", self._resource_version))
+        state, detail = self.state, self.detail
         if kind in ("ADDED", "MODIFIED"):
             self._slices[meta["name"]] = obj
             self._wake.set()
@@ -192,7 +198,9 @@ class SlicePublisher:
             self._slices.pop(meta.get("name", ""), None)
             if meta.get("name") not in self._deleting:
                 self._deleted.add(pools.pool_of(obj)[0])
+                state, detail = SliceState.REPUBLISHING, ""
             self._wake.set()
+        self._set_state(state, detail)
 
     async def _reconcile_forever(self, client: ApiClient) -> None:
         while True:
