@@ -127,7 +127,10 @@ class FakeApiServer:
         return node
 
     def delete_node(self, name: str) -> None:
+        """A Node deleted; the garbage collector then deletes the slices it owns."""
+        uid = self.nodes[name]["metadata"]["uid"]
         self._record("nodes", "DELETED", self.nodes.pop(name))
+        self._collect_garbage(uid)
 
     def hold_creates(self) -> None:
         """Slice creates wait (their request arrived) until ``release_creates()``."""
@@ -189,8 +192,11 @@ class FakeApiServer:
     def recreate_node(self) -> None:
         old = self.nodes[self.node_name]["metadata"]["uid"]
         self.add_node(self.node_name)
+        self._collect_garbage(old)
+
+    def _collect_garbage(self, owner_uid: str) -> None:
         for name, obj in list(self.slices.items()):
-            if any(o.get("uid") == old for o in obj["metadata"].get("ownerReferences") or []):
+            if any(o.get("uid") == owner_uid for o in obj["metadata"].get("ownerReferences") or []):
                 self._delete(name)
 
     def compact(self) -> None:

@@ -97,6 +97,11 @@ class Rig:
     async def published(self) -> DraStatus:
         return await self.status(lambda s: s.slices is SliceState.PUBLISHED)
 
+    def forget(self) -> None:
+        """Drop the statuses reported so far: ``status()`` then sees only the current one and later ones."""
+        while not self.statuses.empty():
+            self.statuses.get_nowait()
+
 
 @contextlib.asynccontextmanager
 async def short_dir() -> AsyncIterator[Path]:
@@ -115,6 +120,7 @@ async def rig(
     start_driver: bool = True,
     load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
     api_options: dict[str, Any] | None = None,
+    backoff: tuple[float, float] = (0.01, 0.2),
     **dra: Any,
 ) -> AsyncIterator[Rig]:
     async with short_dir() as base:
@@ -126,7 +132,7 @@ async def rig(
         config = DraConfig(node_name=NODE, kubeconfig=str(kc), kubelet_dir=str(base / "kubelet"), **dra)
         statuses: asyncio.Queue[DraStatus] = asyncio.Queue()
         driver = DraDriver(
-            config, resources, load_credentials=load_credentials, backoff=(0.01, 0.2), on_status=statuses.put_nowait
+            config, resources, load_credentials=load_credentials, backoff=backoff, on_status=statuses.put_nowait
         )
         kubelet = FakeDraKubelet(base / "kubelet")
         records = Records()

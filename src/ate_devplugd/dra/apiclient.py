@@ -20,6 +20,7 @@ from ate_devplugd.dra.kubeconfig import Credentials
 log = logging.getLogger(__name__)
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+NODES = "/api/v1/nodes"
 #: A single request (not a watch) that takes longer than this has failed.
 REQUEST_TIMEOUT = 15.0
 _USER_AGENT = "ate-devplugd"
@@ -44,7 +45,7 @@ def claim_path(namespace: str, name: str) -> str:
 
 
 def node_path(name: str) -> str:
-    return f"/api/v1/nodes/{quote(name, safe='')}"
+    return f"{NODES}/{quote(name, safe='')}"
 
 
 def slice_path(name: str) -> str:

@@ -57,7 +57,8 @@ def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE
             "metadata": {"name": role},
             "rules": [
                 {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
-                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+                # list and watch: the driver follows its Node until kubelet has created it
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
                 {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": verbs_slices},
             ],
         },

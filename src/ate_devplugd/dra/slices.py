@@ -1,11 +1,16 @@
 """Publish this node's ResourceSlices and keep them published.
 
-One session = fresh credentials (the kubeconfig read again), the Node's uid, a list of the driver's
-slices on this node, then a watch from that list's resourceVersion beside a reconciler. Kubelet deletes
-the slices at its start and after a 30 s driver outage, and the garbage collector deletes them with a
-recreated Node: each deletion arrives on the watch and the reconciler writes the pool again at once.
+One session = fresh credentials (the kubeconfig read again), the Node's uid (waiting on a watch while
+the Node does not exist yet: ``node.py``), a list of the driver's slices on this node, then a watch
+from that list's resourceVersion beside a reconciler. Kubelet deletes the slices at its start and
+after a 30 s driver outage, and the garbage collector deletes them with a recreated Node: each
+deletion arrives on the watch and the reconciler writes the pool again at once.
+
 Any failure ends the session; the next one starts after a back-off (a broken kubeconfig is reported
-once, then retried quietly).
+once, then retried quietly). When the API server could not be reached (or answered 5xx while it
+starts), the back-off stays at about a second, jittered, so the node is back about a second after the
+API server is and a fleet does not come back in step; an answer that refuses (401, 403, 422) backs
+off to 30 s. The first session that works again after failures says so once, at info.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ate_devplugd.dra import kubeconfig, pools
-from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, node_path, slice_path
+from ate_devplugd.dra import kubeconfig, node, pools
+from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
@@ -31,10 +37,25 @@ log = logging.getLogger(__name__)
 GRAPH_LAG = 10.0
 #: Watches are renewed this often, which also re-reads the credentials (kubelet rotates its certificate).
 WATCH_SECONDS = 600
+#: After a session failed for want of the API server, the next one starts at most this long later:
+#: half to all of it, at random (see ``reconnect_delay``).
+RECONNECT_SECONDS = 1.0
+
+
+def reconnect_delay(delay: float, uniform: Callable[[float, float], float] = random.uniform) -> float:
+    """The back-off ``delay`` while the API server is away: at most RECONNECT_SECONDS, and jittered."""
+    return uniform(0.5, 1.0) * min(delay, RECONNECT_SECONDS)
+
+
+def _unreachable(exc: ApiError | ApiUnavailable) -> bool:
+    """Whether the API server was away (no answer, or a 5xx while it starts), not refusing us."""
+    return isinstance(exc, ApiUnavailable) or exc.status >= 500
 
 
 class SliceState(enum.Enum):
     WAITING = "waiting"
+    #: The Node does not exist yet (kubelet creates it at its first start); ``detail`` names it.
+    WAITING_FOR_NODE = "waiting for their Node"
     PUBLISHED = "published"
     #: Someone else deleted a slice (kubelet's start, its 30 s driver grace, a recreated Node).
     REPUBLISHING = "deleted, publishing again"
@@ -78,6 +99,8 @@ class SlicePublisher:
         self._deleting: set[str] = set()
         self._resource_version = ""
         self._shown: tuple[SliceState, str, int, bool] = (self.state, "", 0, False)
+        #: When the sessions began to fail (monotonic), until one works again.
+        self._failing_since: float | None = None
 
     @property
     def published_devices(self) -> int:
@@ -110,7 +133,7 @@ class SlicePublisher:
             self._published = False
             try:
                 await self._session()
-            except _Expired:
+            except (_Expired, node.NodeWatchExpired):
                 continue
             except kubeconfig.KubeconfigError as exc:
                 message = str(exc)
@@ -127,8 +150,10 @@ class SlicePublisher:
                     backoff.reset()
                     reported = ""
                 delay = backoff.next()
+                if _unreachable(exc):
+                    delay = reconnect_delay(delay)
                 level = logging.DEBUG if message == reported else logging.WARNING
-                log.log(level, "dra: API server: %s (retrying in %.2f s)", message, delay)
+                EventLog(log).log(level, "dra-api-error", "dra: API server: %s (retrying in %.2f s)", message, delay)
                 reported = message
                 self._set_state(SliceState.API_ERROR, message)
             except Exception:  # the one boundary of this supervised task: log, back off, retry
@@ -136,6 +161,8 @@ class SlicePublisher:
                 log.exception("dra: the slice publisher failed (retrying in %.2f s)", delay)
                 reported = ""
                 self._set_state(SliceState.API_ERROR, "internal error (see the log)")
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
             await asyncio.sleep(delay)  # back-off between failed sessions, not a poll
 
     async def _session(self) -> None:
@@ -166,8 +193,13 @@ class SlicePublisher:
                 await client.close()
 
     async def _refresh_node(self, client: ApiClient) -> None:
-        node = await client.request("GET", node_path(self.config.node_name))
-        self._node_uid = str(node.get("metadata", {}).get("uid", ""))
+        """The Node's uid, waiting on a watch while the Node does not exist."""
+        self._node_uid = await node.node_uid(
+            client, self.config.node_name, watch_seconds=WATCH_SECONDS, on_waiting=self._waiting_for_node
+        )
+
+    def _waiting_for_node(self) -> None:
+        self._set_state(SliceState.WAITING_FOR_NODE, self.config.node_name)
 
     async def _watch(self, client: ApiClient, selector: str) -> None:
         params = {
@@ -208,6 +240,13 @@ class SlicePublisher:
             await self._reconcile(client)
             self._published = True
             self._set_state(SliceState.PUBLISHED, "")
+            if self._failing_since is not None:
+                EventLog(log).info(
+                    "dra-api-back",
+                    "dra: the API server session is back after %.1f s of failed attempts; slices published",
+                    time.monotonic() - self._failing_since,
+                )
+                self._failing_since = None
             await self._wake.wait()
 
     async def _reconcile(self, client: ApiClient) -> None:

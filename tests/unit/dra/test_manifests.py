@@ -53,7 +53,7 @@ class TestRender:
         assert names == {"ate-devplugd.kvm.ate.dev"}
         role = next(o for o in objs if o["kind"] == "ClusterRole")
         rules = {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]}  # type: ignore[index, union-attr]
-        assert ("resourceclaims", ("get",)) in rules and ("nodes", ("get",)) in rules
+        assert ("resourceclaims", ("get",)) in rules and ("nodes", ("get", "list", "watch")) in rules
         policy = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicy")
         text = yaml.safe_dump(policy)
         assert "authentication.kubernetes.io/node-name" in text and "kvm.ate.dev" in text
