@@ -5,83 +5,20 @@ real reader of the CDI spec a prepared claim names."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from ate_devplugd.config import Config
 from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.kernel import KernelView, UdevKernelView
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.dra_kubelet import FakeDraKubelet
-from tests.integration.dra_rig import NODE, TOKEN, short_dir, write_kubeconfig
+from ate_devplugd.kernel import UdevKernelView
+from tests.integration.dra_rig import DRIVER, NODE, dra_node, short_dir
 from tests.podman import Podman
-from tests.support import (
-    DaemonInProcess,
-    FakeKernel,
-    FakeMonitor,
-    NotifyReceiver,
-    daemon_in_process,
-    kvm_config,
-)
+from tests.support import FakeKernel, FakeMonitor, daemon_in_process, kvm_config
 
-DRIVER = "kvm.ate.dev"
-POOL = f"{NODE}/ate.dev/kvm"
 SANDBOX = (4242, 4242)
-
-
-@dataclasses.dataclass
-class DraNode:
-    dir: Path
-    api: FakeApiServer
-    kubelet: FakeDraKubelet
-    config: Config
-    running: DaemonInProcess
-    notify: NotifyReceiver
-
-    async def status(self, text: str) -> str:
-        """The daemon's STATUS= once it contains ``text``."""
-        return (await self.notify.wait_for(lambda f: text in f.get("STATUS", "")))["STATUS"]
-
-    def claim(self, name: str, device: str = "kvm-0") -> tuple[str, str, str]:
-        uid = self.api.add_claim(
-            "default", name, [{"request": "kvm", "driver": DRIVER, "pool": POOL, "device": device}]
-        )
-        return "default", uid, name
-
-
-@contextlib.asynccontextmanager
-async def dra_node(
-    kernel: KernelView,
-    dev_root: Path,
-    monitor: FakeMonitor | None = None,
-    reload_config: Callable[[], Config] | None = None,
-) -> AsyncIterator[DraNode]:
-    """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher."""
-    async with short_dir() as base:
-        api = FakeApiServer(NODE, token=TOKEN)
-        await api.start()
-        kubeconfig = write_kubeconfig(base / "kubeconfig", api.url)
-        dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig), kubelet_dir=str(base / "kubelet"))
-        plugin_dir = base / "device-plugins"
-        plugin_dir.mkdir()
-        config = dataclasses.replace(kvm_config(plugin_dir, dev_root, cdi=True), mode="dra", dra=dra)
-        notify = NotifyReceiver(base / "notify")
-        kubelet = FakeDraKubelet(base / "kubelet")
-        try:
-            async with daemon_in_process(
-                config, kernel, monitor=monitor, reload_config=reload_config, notify=notify.path
-            ) as running:
-                await kubelet.start()
-                yield DraNode(base, api, kubelet, config, running, notify)
-        finally:
-            await kubelet.stop()
-            await api.stop()
-            await notify.close()
 
 
 class TestDraMode:

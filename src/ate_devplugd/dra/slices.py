@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ate_devplugd.dra import kubeconfig, node, pools
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
@@ -29,6 +29,9 @@ from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
 from ate_devplugd.session import Backoff
+
+if TYPE_CHECKING:
+    from ate_devplugd.dra.metrics import DraMetrics
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,14 @@ def reconnect_delay(delay: float, uniform: Callable[[float, float], float] = ran
 def _unreachable(exc: ApiError | ApiUnavailable) -> bool:
     """Whether the API server was away (no answer, or a 5xx while it starts), not refusing us."""
     return isinstance(exc, ApiUnavailable) or exc.status >= 500
+
+
+class PublishReason(enum.Enum):
+    """Why a slice was written (the ``reason`` of the slice publish counter)."""
+
+    CREATED = "created"  # none was there: the first start, or a start after kubelet expired it
+    REPUBLISHED = "republished"  # someone else deleted it while the driver ran (kubelet's start, a new Node)
+    UPDATED = "updated"  # the stored one differed: the device vanished or returned, another owner, ...
 
 
 class SliceState(enum.Enum):
@@ -78,12 +89,14 @@ class SlicePublisher:
         load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
         backoff: tuple[float, float] = (0.5, 30.0),
         on_change: Callable[[], None] | None = None,
+        metrics: DraMetrics | None = None,
     ) -> None:
         self.config = config
         self.pools = list(pool_list)
         self._load = load_credentials
         self._backoff = backoff
         self._on_change = on_change
+        self._metrics = metrics
         self.present = {pool.resource: True for pool in self.pools}
         self.state = SliceState.WAITING
         self.detail = ""
@@ -98,14 +111,20 @@ class SlicePublisher:
         self._deleted: set[str] = set()
         self._deleting: set[str] = set()
         self._resource_version = ""
-        self._shown: tuple[SliceState, str, int, bool] = (self.state, "", 0, False)
+        self._shown: tuple[SliceState, str, tuple[int, ...], bool] = (self.state, "", (), False)
         #: When the sessions began to fail (monotonic), until one works again.
         self._failing_since: float | None = None
 
     @property
     def published_devices(self) -> int:
+        """Devices in the stored slices of every pool."""
+        return sum(self.published.values())
+
+    @property
+    def published(self) -> dict[str, int]:
+        """Devices in the stored slice of each resource's pool (0 while it has none)."""
         by_pool = {pools.pool_of(obj)[0]: obj for obj in self._slices.values()}
-        return sum(_count(by_pool[p.name]) for p in self.pools if p.name in by_pool)
+        return {p.resource: _count(by_pool[p.name]) if p.name in by_pool else 0 for p in self.pools}
 
     def set_present(self, resource: str, present: bool) -> None:
         """The resource's device node appeared or vanished: its pool is written again."""
@@ -119,7 +138,7 @@ class SlicePublisher:
         Called after every change to what the owner shows, the stored slices included: what was last
         shown is only a de-duplication, and must follow each of them, deletions too."""
         self.state, self.detail = state, detail
-        shown = (state, detail, self.published_devices, self.sharing_dropped)
+        shown = (state, detail, tuple(self.published.values()), self.sharing_dropped)
         if shown != self._shown:
             self._shown = shown
             if self._on_change is not None:
@@ -166,7 +185,9 @@ class SlicePublisher:
             await asyncio.sleep(delay)  # back-off between failed sessions, not a poll
 
     async def _session(self) -> None:
-        client = ApiClient(self._load(self.config.kubeconfig))
+        client = ApiClient(
+            self._load(self.config.kubeconfig), self._metrics.api_error if self._metrics is not None else None
+        )
         self.client = client
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -291,6 +312,7 @@ class SlicePublisher:
         self._check_stored(pool, stored)
         event = "dra-slice-republished" if republish else "dra-slice-published"
         what = "published again after it was deleted" if republish else "published"
+        self._written(pool, PublishReason.REPUBLISHED if republish else PublishReason.CREATED)
         _event(event, pool, "dra: slice %s for pool %s %s (%d devices)", name, pool.name, what, _count(stored))
 
     async def _update(self, client: ApiClient, pool: Pool, obj: dict[str, Any], present: bool) -> None:
@@ -301,6 +323,7 @@ class SlicePublisher:
         stored = await self._retry_forbidden(name, lambda: client.request("PUT", slice_path(name), body))
         self._slices[name] = stored
         self._check_stored(pool, stored)
+        self._written(pool, PublishReason.UPDATED)
         _event(
             "dra-slice-published",
             pool,
@@ -309,6 +332,10 @@ class SlicePublisher:
             pool.name,
             _count(stored),
         )
+
+    def _written(self, pool: Pool, reason: PublishReason) -> None:
+        if self._metrics is not None:
+            self._metrics.slice_written(pool.resource, reason)
 
     async def _delete(self, client: ApiClient, obj: dict[str, Any]) -> None:
         name = obj["metadata"]["name"]
