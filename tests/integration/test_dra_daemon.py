@@ -9,14 +9,16 @@ import dataclasses
 import json
 import logging
 import socket
+import sys
 from pathlib import Path
 
+from ate_devplugd import config as configmod
 from ate_devplugd.config import Config
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.kernel import UdevKernelView
 from tests.integration.dra_rig import DRIVER, NODE, dra_node, short_dir
 from tests.podman import Podman
-from tests.support import FakeKernel, FakeMonitor, daemon_in_process, kvm_config
+from tests.support import FakeKernel, FakeMonitor, daemon_in_process, kvm_config, subprocess_env
 
 SANDBOX = (4242, 4242)
 
@@ -125,6 +127,66 @@ class TestDraMode:
                 assert str(registration) in error.getMessage() and error.exc_info is None
                 assert registration.is_socket()
                 assert not Path(dra.plugin_socket).exists()
+
+
+async def probe(config: Config, directory: Path) -> tuple[int, list[str]]:
+    """``ate-devplugd probe`` run with ``config`` written to a file: its exit status and lines."""
+    path = directory / "probe.toml"
+    path.write_text(configmod.render(config))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "ate_devplugd",
+        "probe",
+        "--config",
+        str(path),
+        "--timeout",
+        "3",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=subprocess_env(),
+    )
+    out, err = await proc.communicate()
+    assert not err, err
+    assert proc.returncode is not None
+    return proc.returncode, out.decode().splitlines()
+
+
+class TestProbe:
+    async def test_what_the_node_serves(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """probe in DRA mode: GetInfo of the registration socket, the plugin socket answering with the
+        devices' health, and the node's slice of the driver."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("slice published (128 devices)")
+            status, lines = await probe(node.config, node.dir)
+            (published,) = node.api.node_slices()
+        dra = node.config.dra
+        assert dra is not None
+        assert status == 0, lines
+        assert lines[0].split() == ["CHECK", "WHERE", "RESULT"]
+        registration, plugin, slices = (line.split(None, 2) for line in lines[1:4])
+        assert registration == [
+            "registration",
+            dra.registration_socket,
+            f"GetInfo: DRAPlugin {DRIVER}, v1.DRAPlugin v1beta1.DRAPlugin, endpoint {dra.plugin_socket}",
+        ]
+        assert plugin == ["plugin", dra.plugin_socket, "DRAPlugin v1 answers; health: 128/128 devices healthy"]
+        assert slices == ["slices", node.api.url, f"1 ResourceSlice of {DRIVER} on node {NODE}"]
+        assert lines[4] == ""
+        assert lines[5].split() == ["SLICE", "POOL", "GENERATION", "DEVICES"]
+        assert lines[6].split() == [published["metadata"]["name"], f"{NODE}/ate.dev/kvm", "1", "128"]
+
+    async def test_nothing_served(self, fake_root: Path) -> None:
+        """No daemon and no API server: each check says what failed, and probe exits 1."""
+        async with short_dir() as base:
+            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "kubeconfig"), kubelet_dir=str(base / "kubelet"))
+            config = dataclasses.replace(kvm_config(base, fake_root, cdi=True), mode="dra", dra=dra)
+            status, lines = await probe(config, base)
+        assert status == 1, lines
+        assert [line.split()[0] for line in lines[1:]] == ["registration", "plugin", "slices"]
+        assert all(" ERROR " in line for line in lines[1:]), lines
+        assert "cannot read" in lines[3], lines
 
 
 class TestDraWithARealRuntime:

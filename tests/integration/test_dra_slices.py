@@ -59,10 +59,12 @@ class TestPublish:
             assert obj["spec"]["devices"] == []
 
     async def test_matching_slice_adopted(self) -> None:
-        """A driver restart finds its slice as it would write it and leaves it alone."""
+        """A driver restart finds its slice as it would write it and leaves it alone, saying so once at info
+        (not again when its watch is renewed)."""
         async with rig() as r:
             await r.api.next_change("ADDED")
             await r.driver.stop()
+            assert not r.log.events("dra-slice-adopted")
             statuses: asyncio.Queue[DraStatus] = asyncio.Queue()
             again = DraDriver(r.config, [KVM], backoff=(0.01, 0.2), on_status=statuses.put_nowait)
             await again.start()
@@ -70,9 +72,15 @@ class TestPublish:
                 async with asyncio.timeout(5):
                     while (await statuses.get()).slices is not SliceState.PUBLISHED:
                         pass
+                watches = sum("watch=1" in q for q in r.api.requests)
+                r.api.end_watches()  # a renewal lists and reconciles again
+                while sum("watch=1" in q for q in r.api.requests) == watches:
+                    await r.api.next_request("GET /apis/resource.k8s.io/v1/resourceslices")
             finally:
                 await again.stop()
             assert r.api.changes.empty()
+            (adopted,) = r.log.events("dra-slice-adopted")
+            assert adopted.levelno == logging.INFO and "(128 devices)" in adopted.getMessage()
 
     async def test_stale_pool_deleted(self) -> None:
         """A slice of a pool the driver no longer serves is deleted."""
@@ -246,6 +254,8 @@ class TestSharing:
             ]
             await r.kubelet.next_event("registered")
             await r.published()
+            (published,) = r.log.events("dra-slice-published")
+            assert published.getMessage().endswith("published (1 device)")
             result = {"request": "r", "driver": "kvm.ate.dev", "pool": POOL, "device": "kvm", "shareID": "share-1"}
             uid = r.api.add_claim("ns", "c", [result])
             response = await r.kubelet.prepare("kvm.ate.dev", ("ns", uid, "c"))

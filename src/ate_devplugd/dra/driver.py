@@ -26,7 +26,7 @@ from ate_devplugd.config import ConfigError
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.metrics import DraMetrics
-from ate_devplugd.dra.pools import DraResource, build_pools
+from ate_devplugd.dra.pools import DraResource, build_pools, devices_text
 from ate_devplugd.dra.prepare import Preparer
 from ate_devplugd.dra.service import (
     DraPluginV1,
@@ -61,7 +61,7 @@ class DraStatus:
     def __str__(self) -> str:
         if self.slices is SliceState.PUBLISHED:
             slices = (
-                f"slice published ({self.devices} device{'' if self.devices == 1 else 's'})"
+                f"slice published ({devices_text(self.devices)})"
                 if self.devices
                 else "slice published (no device present)"
             )

@@ -107,7 +107,7 @@ class Preparer:
         """Nothing was set up per claim (the CDI spec is per resource): every claim succeeds."""
         async with self._lock:
             for claim in claims:
-                log.debug("dra: unprepared claim %s (uid %s)", claim, claim.uid)
+                EventLog(log).info("dra-unprepare", "dra: unprepared claim %s (uid %s)", claim, claim.uid)
             self._metrics.claims_unprepared(len(claims))
             return {claim.uid: "" for claim in claims}
 

@@ -110,6 +110,8 @@ class SlicePublisher:
         self._created: dict[str, float] = {}
         self._deleted: set[str] = set()
         self._deleting: set[str] = set()
+        #: Pools whose slice was written or adopted and said so (an adoption is said once per pool).
+        self._announced: set[str] = set()
         self._resource_version = ""
         self._shown: tuple[SliceState, str, tuple[int, ...], bool] = (self.state, "", (), False)
         #: When the sessions began to fail (monotonic), until one works again.
@@ -289,6 +291,16 @@ class SlicePublisher:
                 obj, self.config, pool, present, self._node_uid, ignore_sharing=self.sharing_dropped
             ):
                 await self._update(client, pool, obj, present)
+            elif pool.name not in self._announced:  # a restart inside kubelet's 30 s grace: kept as it is
+                self._announced.add(pool.name)
+                _event(
+                    "dra-slice-adopted",
+                    pool,
+                    "dra: slice %s for pool %s is already published as it should be (%s); kept",
+                    obj["metadata"]["name"],
+                    pool.name,
+                    pools.devices_text(_count(obj)),
+                )
         for stale in by_pool.values():  # pools we no longer serve
             for obj in stale:
                 await self._delete(client, obj)
@@ -313,7 +325,9 @@ class SlicePublisher:
         event = "dra-slice-republished" if republish else "dra-slice-published"
         what = "published again after it was deleted" if republish else "published"
         self._written(pool, PublishReason.REPUBLISHED if republish else PublishReason.CREATED)
-        _event(event, pool, "dra: slice %s for pool %s %s (%d devices)", name, pool.name, what, _count(stored))
+        _event(
+            event, pool, "dra: slice %s for pool %s %s (%s)", name, pool.name, what, pools.devices_text(_count(stored))
+        )
 
     async def _update(self, client: ApiClient, pool: Pool, obj: dict[str, Any], present: bool) -> None:
         name = obj["metadata"]["name"]
@@ -327,13 +341,14 @@ class SlicePublisher:
         _event(
             "dra-slice-published",
             pool,
-            "dra: slice %s for pool %s updated (%d devices)",
+            "dra: slice %s for pool %s updated (%s)",
             name,
             pool.name,
-            _count(stored),
+            pools.devices_text(_count(stored)),
         )
 
     def _written(self, pool: Pool, reason: PublishReason) -> None:
+        self._announced.add(pool.name)
         if self._metrics is not None:
             self._metrics.slice_written(pool.resource, reason)
 
