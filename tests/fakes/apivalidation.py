@@ -47,26 +47,20 @@ FIELD_SELECTORS = ("spec.nodeName", "spec.driver", "metadata.name")
 MAX_GENERATED_BASE = 58
 
 
-def name_is_dns_subdomain(name: str) -> list[str]:
-    if len(name) > 253:
-        return ["must be no more than 253 characters"]
-    if not _SUBDOMAIN.match(name):
-        return [
-            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
-            "and must start and end with an alphanumeric character (e.g. 'example.com')"
-        ]
+def _dns_name(name: str, limit: int, pattern: re.Pattern[str], what: str) -> list[str]:
+    if len(name) > limit:
+        return [f"must be no more than {limit} characters"]
+    if not pattern.match(name):
+        return [f"a lowercase RFC 1123 {what}, and must start and end with an alphanumeric character"]
     return []
+
+
+def name_is_dns_subdomain(name: str) -> list[str]:
+    return _dns_name(name, 253, _SUBDOMAIN, "subdomain must consist of lower case alphanumeric characters, '-' or '.'")
 
 
 def name_is_dns_label(name: str) -> list[str]:
-    if len(name) > 63:
-        return ["must be no more than 63 characters"]
-    if not _LABEL_RE.match(name):
-        return [
-            "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
-            "and must start and end with an alphanumeric character (e.g. 'my-name')"
-        ]
-    return []
+    return _dns_name(name, 63, _LABEL_RE, "label must consist of lower case alphanumeric characters or '-'")
 
 
 def name_is_path_segment(name: str) -> list[str]:

@@ -6,7 +6,6 @@ kernel uevents (``change`` written to /sys/class/misc/kvm/uevent).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from tests.support import (
     daemon,
     kvm_uevent,
     make_kvm_node,
+    run_cli,
     started_kubelet,
     subprocess_env,
     wait_for_path,
@@ -322,20 +322,9 @@ class TestProbeCommand:
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         async with daemon(cfg):
             await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "ate_devplugd",
-                "probe",
-                "--config",
-                str(cfg),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=subprocess_env(),
-            )
-            out, err = await proc.communicate()
-        assert proc.returncode == 0, err
-        lines = out.decode().splitlines()
+            status, out, err = await run_cli("probe", "--config", str(cfg))
+        assert status == 0, err
+        lines = out.splitlines()
         assert lines[0].split() == ["RESOURCE", "SOCKET", "HEALTHY/TOTAL", "CDI", "GRANTS"]
         assert lines[1].split() == [
             "ate.dev/kvm",
@@ -354,20 +343,9 @@ class TestProbeCommand:
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, devices)
         async with daemon(cfg):
             await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "ate_devplugd",
-                "probe",
-                "--config",
-                str(cfg),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=subprocess_env(),
-            )
-            out, err = await proc.communicate()
-        assert proc.returncode == 0, err
-        header, row = out.decode().splitlines()
+            status, out, err = await run_cli("probe", "--config", str(cfg))
+        assert status == 0, err
+        header, row = out.splitlines()
         assert row.split()[:4] == ["ate.dev/kvm", "ate.dev-kvm.sock", "4096/4096", "ate.dev/kvm=kvm"], out
         assert header.index("CDI") == row.index("ate.dev/kvm=kvm")
 

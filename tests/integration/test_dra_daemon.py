@@ -9,7 +9,6 @@ import dataclasses
 import json
 import logging
 import socket
-import sys
 from pathlib import Path
 
 from ate_devplugd import config as configmod
@@ -18,7 +17,7 @@ from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.kernel import UdevKernelView
 from tests.integration.dra_rig import DRIVER, NODE, dra_node, short_dir
 from tests.podman import Podman
-from tests.support import FakeKernel, FakeMonitor, daemon_in_process, kvm_config, subprocess_env
+from tests.support import FakeKernel, FakeMonitor, daemon_in_process, kvm_config, run_cli
 
 SANDBOX = (4242, 4242)
 
@@ -133,23 +132,9 @@ async def probe(config: Config, directory: Path) -> tuple[int, list[str]]:
     """``ate-devplugd probe`` run with ``config`` written to a file: its exit status and lines."""
     path = directory / "probe.toml"
     path.write_text(configmod.render(config))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "ate_devplugd",
-        "probe",
-        "--config",
-        str(path),
-        "--timeout",
-        "3",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=subprocess_env(),
-    )
-    out, err = await proc.communicate()
+    status, out, err = await run_cli("probe", "--config", str(path), "--timeout", "3")
     assert not err, err
-    assert proc.returncode is not None
-    return proc.returncode, out.decode().splitlines()
+    return status, out.splitlines()
 
 
 class TestProbe:

@@ -114,19 +114,32 @@ class DraMetrics:
         )
         info.add_metric([self.driver, self.sharing], 1)
         yield info
-        for name, doc, count in (
-            ("prepares", "Claims prepared for kubelet (NodePrepareResources).", self.prepares),
-            ("unprepares", "Claims unprepared for kubelet (NodeUnprepareResources).", self.unprepares),
+        for name, doc, labels, counts in (
+            ("prepares", "Claims prepared for kubelet (NodePrepareResources).", [], {(): self.prepares}),
+            ("unprepares", "Claims unprepared for kubelet (NodeUnprepareResources).", [], {(): self.unprepares}),
+            (
+                "prepare_errors",
+                "Claims that could not be prepared, by reason.",
+                ["reason"],
+                {(problem.value,): count for problem, count in self.prepare_errors.items()},
+            ),
+            (
+                "slice_publishes",
+                "ResourceSlice writes, by resource and reason (created, republished, updated).",
+                ["resource", "reason"],
+                {(resource, reason.value): count for (resource, reason), count in self.publishes.items()},
+            ),
+            (
+                "api_errors",
+                "API server calls that failed, by what the server answered.",
+                ["reason"],
+                {(kind.value,): count for kind, count in self.api_errors.items()},
+            ),
         ):
-            family = CounterMetricFamily(PREFIX + name, doc)
-            family.add_metric([], count)
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for values, count in counts.items():
+                family.add_metric(list(values), count)
             yield family
-        errors = CounterMetricFamily(
-            PREFIX + "prepare_errors", "Claims that could not be prepared, by reason.", labels=["reason"]
-        )
-        for problem, count in self.prepare_errors.items():
-            errors.add_metric([problem.value], count)
-        yield errors
         cumulative, buckets = 0, []
         for bound, count in zip(PREPARE_BUCKETS, self._prepare_buckets, strict=True):
             cumulative += count
@@ -138,20 +151,6 @@ class DraMetrics:
             buckets=buckets,
             sum_value=self._prepare_seconds,
         )
-        publishes = CounterMetricFamily(
-            PREFIX + "slice_publishes",
-            "ResourceSlice writes, by resource and reason (created, republished, updated).",
-            labels=["resource", "reason"],
-        )
-        for (resource, reason), count in self.publishes.items():
-            publishes.add_metric([resource, reason.value], count)
-        yield publishes
-        api = CounterMetricFamily(
-            PREFIX + "api_errors", "API server calls that failed, by what the server answered.", labels=["reason"]
-        )
-        for kind, count in self.api_errors.items():
-            api.add_metric([kind.value], count)
-        yield api
 
 
 def _le(bound: float) -> str:
