@@ -415,6 +415,11 @@ class FakeApiServer:
     def _update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
         obj = self._admit(body, old)
+        errors = validate_meta("ResourceSlice", obj)
+        if obj["metadata"].get("name") != name:
+            errors.append("metadata.name: Invalid value: field is immutable")
+        if errors:
+            raise Problem(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(errors))
         if obj["metadata"].get("resourceVersion") != old["metadata"]["resourceVersion"]:
             raise Problem(
                 409,
