@@ -64,6 +64,23 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+async def run_cli(*args: str) -> tuple[int, str, str]:
+    """``ate-devplugd ARGS`` as a subprocess, awaited on the loop (which may serve what it asks):
+    its exit status, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "ate_devplugd",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=subprocess_env(),
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
 def write_config(
     path: Path,
     plugin_dir: Path,

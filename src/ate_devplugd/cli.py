@@ -30,6 +30,7 @@ commands:
   run            the daemon (the default when no command is given)
   check-config   validate the config, print the effective config; exit 78 on errors
   probe          query every plugin socket as kubelet would and print what the node offers
+                 (DRA mode: GetInfo, the plugin socket, and the node's ResourceSlices)
   doctor         check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL
   dra-manifests  print the DeviceClasses (and RBAC) an administrator applies once for DRA mode
 
@@ -81,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate the config and print the effective config")
     add_config(check)
 
-    probe = sub.add_parser("probe", help="query every plugin socket as kubelet would")
+    probe = sub.add_parser(
+        "probe", help="query every plugin socket as kubelet would (DRA mode: the driver's sockets and slices)"
+    )
     add_config(probe)
     probe.add_argument("--plugin-dir", metavar="DIR", help="directory to probe (default: from the config)")
     probe.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call timeout")
@@ -185,6 +188,13 @@ class _EarlySignals:
 
 def _probe(cfg: configmod.Config, timeout: float) -> int:
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
+
+    if cfg.mode == "dra" and cfg.dra is not None:
+        from ate_devplugd.dra import probe  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
+
+        report = asyncio.run(probe.probe(cfg.dra, timeout))
+        print(probe.render(report))
+        return os.EX_OK if report.ok else EX_FAILURE
 
     from ate_devplugd import nodeprobe  # noqa: PLC0415 - keeps `check-config` free of grpc
 

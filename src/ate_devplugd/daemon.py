@@ -142,18 +142,19 @@ class Daemon:
         for dev in self.config.devices:
             self._metrics.add_resource(dev.resource)
         self._registry = DeviceRegistry(self.config.dev_root, kernel, self._looked)
+        # The mode before the first look: it reports what each look means to kubelet (its gauges).
+        if self.config.dra is not None and self.config.mode == "dra":
+            from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
+
+            self._mode = DraMode(self.config.dra, self._registry, self._metrics, self._update_status)
+        else:
+            self._mode = DevicePlugins(self._registry, self._watch, self._metrics, self._update_status)
         self._registry.apply(self.config.devices, self.config.dev_root)
         busy = busy_sockets(self.config.plugin_dir, self.config.devices) if self.config.mode != "dra" else []
         for msg in busy:
             log.error("%s; is another ate-devplugd running? Not starting", msg)
         if busy:
             return False
-        if self.config.dra is not None and self.config.mode == "dra":
-            from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
-
-            self._mode = DraMode(self.config.dra, self._registry, self._update_status)
-        else:
-            self._mode = DevicePlugins(self._registry, self._watch, self._metrics, self._update_status)
         try:
             await self._mode.start([dev.resource for dev in self.config.devices])
         except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
@@ -180,12 +181,9 @@ class Daemon:
         return kernel
 
     def _looked(self, resource: Resource, event: str | None) -> None:
-        """After each look at a device: its CDI spec, its metrics, and STATUS when its health changed."""
+        """After each look at a device: its CDI spec, the mode (and the metrics it reports), and STATUS
+        when its health changed."""
         self._cdi.sync(resource)
-        units = resource.config.count if resource.seen.is_set() else 0
-        self._metrics.set_device(
-            resource.name, present=resource.presence.present, healthy=resource.healthy, advertised_units=units
-        )
         if self._mode is not None:
             self._mode.looked(resource)
         if event is not None:

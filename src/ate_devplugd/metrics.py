@@ -7,7 +7,9 @@ changes; a gauge set to the value it has does not), so an idle daemon causes no 
 
 Series exist per configured resource, from ``add_resource`` until ``remove_resource``. Calls naming a
 resource that is not (or no longer) there are ignored, so a late callback from a stopped server
-cannot bring back the series of a resource that left the config.
+cannot bring back the series of a resource that left the config. The mode in use sets the device
+gauges (what kubelet is offered differs by mode); a mode's own series (DRA mode's) are rendered after
+these through ``add_source``.
 
 The families are built by a custom collector on a private ``CollectorRegistry`` (no process or
 platform collectors) rather than with ``Counter``/``Gauge`` objects: series appear at zero as soon as
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ate_devplugd import __version__
 from ate_devplugd.runtime_cdi import CdiVerdict
@@ -55,6 +57,14 @@ GRPC_CODES = frozenset(
 )
 #: The codes Allocate answers with; their series start at 0, so the first error shows in increase().
 ALLOCATE_ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
+
+
+class MetricSource(Protocol):
+    """A mode's own series (DRA mode's ``dra.metrics.DraMetrics``), rendered after the daemon's."""
+
+    on_change: Callable[[], None] | None
+
+    def families(self) -> Iterator[Metric]: ...
 
 
 @dataclass
@@ -101,6 +111,7 @@ class Metrics:
         self.reload_failures = 0
         #: The runtime's CDI verdict and the runtime (``containerd 1.7.24``); None while nothing is checked.
         self._runtime_cdi: tuple[CdiVerdict, str] | None = None
+        self._sources: list[MetricSource] = []
         self._registry: Any = None
 
     def _changed(self) -> None:
@@ -122,6 +133,12 @@ class Metrics:
         """Drop every series of a resource that left the config."""
         if self._resources.pop(resource, None) is not None:
             self._changed()
+
+    def add_source(self, source: MetricSource) -> None:
+        """Render ``source``'s series after ours; its changes count as ours (``on_change``)."""
+        self._sources.append(source)
+        source.on_change = self._changed
+        self._changed()
 
     # -- state -------------------------------------------------------------------------------------
     def set_device(self, resource: str, *, present: bool, healthy: bool, advertised_units: int) -> None:
@@ -248,6 +265,8 @@ class Metrics:
             for verdict in CdiVerdict:
                 cdi.add_metric([verdict.value, runtime], float(verdict is current))
             yield cdi
+        for source in self._sources:
+            yield from source.families()
 
 
 class _Collector:

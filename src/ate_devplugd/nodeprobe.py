@@ -1,4 +1,6 @@
-"""``ate-devplugd probe``: ask every plugin socket what kubelet would, and print what the node offers."""
+"""``ate-devplugd probe`` in device-plugin mode: ask every plugin socket what kubelet would, and print
+what the node offers: units, the DeviceSpecs and the CDI devices a trial Allocate answers with.
+(DRA mode's probe is ``dra/probe.py``.)"""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import asyncio
 import os
 import posixpath
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +26,8 @@ class Row:
     healthy: int = 0
     total: int = 0
     grants: str = ""
+    #: The CDI devices the trial Allocate names (what a runtime with CDI on resolves), "" for none.
+    cdi: str = ""
     error: str = ""
 
 
@@ -68,6 +73,7 @@ async def probe_socket(plugin_dir: str, name: str, resource: str | None, timeout
                 response = await stub.Allocate(request, timeout=timeout)
                 specs = [s for c in response.container_responses[:1] for s in c.devices]
                 row.grants = ", ".join(f"{s.host_path} -> {s.container_path} ({s.permissions})" for s in specs)
+                row.cdi = ", ".join(d.name for c in response.container_responses[:1] for d in c.cdi_devices)
         except grpc.aio.AioRpcError as exc:
             row.error = f"{exc.code().name}: {exc.details()}"
         except TimeoutError:
@@ -81,11 +87,18 @@ async def probe_all(plugin_dir: str, ours: dict[str, str], timeout: float = 5.0)
 
 
 def render(rows: list[Row]) -> str:
-    table = [("RESOURCE", "SOCKET", "HEALTHY/TOTAL", "GRANTS")]
+    table = [("RESOURCE", "SOCKET", "HEALTHY/TOTAL", "CDI", "GRANTS")]
     for row in rows:
         units = f"{row.healthy}/{row.total}" if not row.error else "-"
-        table.append((row.resource, row.socket, units, row.grants if not row.error else f"ERROR {row.error}"))
-    widths = [max(len(r[i]) for r in table) for i in range(3)]
+        grants = row.grants if not row.error else f"ERROR {row.error}"
+        table.append((row.resource, row.socket, units, row.cdi or "-", grants))
+    return format_table(table)
+
+
+def format_table(table: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell; the last one as it is."""
+    last = len(table[0]) - 1
+    widths = [max(len(r[i]) for r in table) for i in range(last)]
     return "\n".join(
-        "  ".join(cell.ljust(widths[i]) if i < 3 else cell for i, cell in enumerate(r)).rstrip() for r in table
+        "  ".join(cell.ljust(widths[i]) if i < last else cell for i, cell in enumerate(r)).rstrip() for r in table
     )

@@ -64,7 +64,12 @@ class DevicePlugins:
             self._sessions.pop(name, None)
 
     def looked(self, resource: Resource) -> None:
-        """A look at a device: each session follows its resource itself (its change event)."""
+        """A look at a device: its gauges (every unit offered once the device was first seen). Each
+        session follows its resource itself (its change event)."""
+        units = resource.config.count if resource.seen.is_set() else 0
+        self._metrics.set_device(
+            resource.name, present=resource.presence.present, healthy=resource.healthy, advertised_units=units
+        )
 
     def status_line(self) -> str:
         """STATUS=: one part per resource, in config order (the registry's)."""

@@ -81,7 +81,11 @@ class Session:
         self._kick = asyncio.Event()
         #: The kubelet generation this round was served under, then the one it registered with.
         self._kubelet_generation = -1
+        #: Failed Register attempts toward one kubelet generation (``_failures_generation``): each new
+        #: kubelet starts again at 0, as the retry delay does, so a storm of short kubelet lives never
+        #: adds up to the warning that a kubelet refusing for seconds deserves.
         self._failures = 0
+        self._failures_generation = -1
 
     @property
     def name(self) -> str:
@@ -194,7 +198,7 @@ class Session:
                     self._watch.kubelet_socket, self.resource.config.socket_name, self.name, endpoint.REGISTER_TIMEOUT
                 )
             except grpc.aio.AioRpcError as exc:
-                self._register_failed(exc)
+                self._register_failed(exc, kubelet.generation)
                 if self._watch.generation == kubelet.generation:
                     await self._wait(delay.next())
                 if self._watch.generation != kubelet.generation:
@@ -213,11 +217,14 @@ class Session:
             self._set_state(SessionState.REGISTERED)
             return
 
-    def _register_failed(self, exc: grpc.aio.AioRpcError) -> None:
+    def _register_failed(self, exc: grpc.aio.AioRpcError, generation: int) -> None:
         # kubelet.sock refusing connections is part of every kubelet start (a killed kubelet's socket
         # stays until the new one's wipe; the new one is bound a moment before it listens), and a kubelet
-        # stopping cancels the call in flight: a warning only once that lasts (the tenth attempt, after
-        # about 2.5 s of back-off), while an error kubelet answers with (or a deadline it lets pass) is one at once.
+        # stopping cancels the call in flight: a warning only once that lasts toward one kubelet (its
+        # tenth attempt, after about 2.5 s of back-off), while an error kubelet answers with (or a
+        # deadline it lets pass) is one at once.
+        if generation != self._failures_generation:
+            self._failures_generation, self._failures = generation, 0
         self._failures += 1
         self._metrics.register_failure(self.name)
         transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

@@ -12,8 +12,18 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   is dropped silently (§4b);
 - ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2);
   ``recreate_node()``: a new Node uid, and the garbage collector deletes slices owned by the old one;
-- objects sent are validated as the apiserver would (422 Invalid), and, where the ``kubernetes`` PyPI
-  client is installed (the venv), against its v1 models: a field the real API does not know fails.
+- nodes: get of its own Node; list and watch only with ``metadata.name=<node>`` (the node authorizer
+  with AuthorizeNodeWithSelectors, on since 1.32); ``add_node``/``delete_node`` are seen on a watch;
+- what ``dra-manifests`` prints, for an administrator's credential (``admin_token``): Namespaces,
+  ServiceAccounts (in an existing namespace, as the NamespaceLifecycle admission plugin demands),
+  ClusterRoles and their bindings, ValidatingAdmissionPolicies and their bindings, DeviceClasses:
+  created (POST; 409 if the name is taken), read, replaced (PUT); the node's credential gets 403;
+- objects sent are validated as the apiserver would (422 Invalid, names per kind: see apivalidation),
+  and, where the ``kubernetes`` PyPI client is installed (the venv), against its v1 models: a field the
+  real API does not know fails;
+- ``hold_creates()``: slice creates wait until ``release_creates()`` (to put an event between a
+  deletion and the republish); ``stop()`` then ``start()`` again serves the same port and the same store
+  (an API server outage).
 """
 
 from __future__ import annotations
@@ -31,51 +41,107 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.fakes.apivalidation import Problem, field_value, parse_selector, status, validate_slice
+from tests.fakes.apivalidation import (
+    Problem,
+    field_value,
+    generated_name,
+    parse_selector,
+    status,
+    validate_meta,
+    validate_object,
+    validate_slice,
+)
 from tests.fakes.certs import Pki
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
-DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
+NODES = "/api/v1/nodes"
+#: Where each kind ``dra-manifests`` prints is created: its collection path ({ns}: its namespace).
+COLLECTIONS = {
+    "Namespace": "/api/v1/namespaces",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "ValidatingAdmissionPolicy": "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+    "ValidatingAdmissionPolicyBinding": "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
+    "DeviceClass": "/apis/resource.k8s.io/v1/deviceclasses",
+}
+
+
+def collection_path(obj: dict[str, Any]) -> str:
+    """The collection an object of a manifest kind is POSTed to."""
+    return COLLECTIONS[obj["kind"]].format(ns=(obj.get("metadata") or {}).get("namespace", ""))
 
 
 @dataclass
 class _Watcher:
+    resource: str
     selector: dict[str, str]
     bookmarks: bool
     queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
 
 
 class FakeApiServer:
-    def __init__(self, node_name: str = "node-1", *, token: str | None = None, pki: Pki | None = None) -> None:
+    def __init__(
+        self,
+        node_name: str = "node-1",
+        *,
+        token: str | None = None,
+        pki: Pki | None = None,
+        admin_token: str | None = None,
+        with_node: bool = True,
+    ) -> None:
         self.node_name = node_name
         self.token = token
+        self.admin_token = admin_token
         self.pki = pki
         self.consumable_capacity = True
         self.forbid_after_create = 0
         self.nodes: dict[str, dict[str, Any]] = {}
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
-        #: DeviceClasses (cluster-scoped, read only here); ``device_classes_forbidden`` refuses the list,
-        #: as the node authorizer's rules give kubelet's credentials no access to them.
-        self.device_classes: dict[str, dict[str, Any]] = {}
+        #: What an administrator created: (kind, namespace, name) -> object. The node's credentials may
+        #: list the DeviceClasses among them; ``device_classes_forbidden`` refuses that list.
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.device_classes_forbidden = False
         self.changes: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self.requests: list[str] = []
+        #: Every request, as it arrives (a test can wait for one).
+        self.arrivals: asyncio.Queue[str] = asyncio.Queue()
         self.forbidden_answers = 0
         self._rv = itertools.count(100)
-        self._history: list[tuple[int, str, dict[str, Any]]] = []
+        self._history: list[tuple[int, str, str, dict[str, Any]]] = []
         self._compacted = 0
         self._forbidden: dict[str, int] = {}
         self._watchers: list[_Watcher] = []
         self._runner: web.AppRunner | None = None
+        self._creates_open: asyncio.Event | None = None
+        self.port = 0
         self.url = ""
-        self.add_node(node_name)
+        if with_node:
+            self.add_node(node_name)
 
     # -- set-up -------------------------------------------------------------------------------------
     def add_node(self, name: str) -> dict[str, Any]:
+        """A Node created (or created again: a new uid), seen by watches of nodes."""
         node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": str(uuid.uuid4())}}
         self.nodes[name] = node
+        self._record("nodes", "ADDED", node)
         return node
+
+    def delete_node(self, name: str) -> None:
+        """A Node deleted; the garbage collector then deletes the slices it owns."""
+        uid = self.nodes[name]["metadata"]["uid"]
+        self._record("nodes", "DELETED", self.nodes.pop(name))
+        self._collect_garbage(uid)
+
+    def hold_creates(self) -> None:
+        """Slice creates wait (their request arrived) until ``release_creates()``."""
+        self._creates_open = asyncio.Event()
+
+    def release_creates(self) -> None:
+        if self._creates_open is not None:
+            self._creates_open.set()
+        self._creates_open = None
 
     def add_claim(self, namespace: str, name: str, results: list[dict[str, Any]] | None) -> str:
         """A claim; ``results`` None means not allocated. Returns its uid."""
@@ -86,7 +152,15 @@ class FakeApiServer:
         self.claims[(namespace, name)] = claim
         return uid
 
-    async def start(self) -> str:
+    async def next_request(self, prefix: str, timeout: float = 5.0) -> str:
+        """The next request (``METHOD path?query``) that starts with ``prefix``."""
+        async with asyncio.timeout(timeout):
+            while not (request := await self.arrivals.get()).startswith(prefix):
+                pass
+        return request
+
+    async def start(self, port: int | None = None) -> str:
+        """Serve (again: on the port served before, with the same store)."""
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, handle_signals=False)
@@ -96,17 +170,18 @@ class FakeApiServer:
             tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(self.pki.ca))
             tls.load_cert_chain(str(self.pki.server_cert), str(self.pki.server_key))
             tls.verify_mode = ssl.CERT_REQUIRED
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=tls)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port if port is None else port, ssl_context=tls)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         return self.url
 
     async def stop(self) -> None:
         for watcher in self._watchers:
             watcher.queue.put_nowait(None)
         if self._runner is not None:
-            await self._runner.cleanup()
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
 
     # -- what kubelet, the garbage collector and etcd do ------------------------------------------------
     def kubelet_restarted(self) -> list[str]:
@@ -119,13 +194,20 @@ class FakeApiServer:
     def recreate_node(self) -> None:
         old = self.nodes[self.node_name]["metadata"]["uid"]
         self.add_node(self.node_name)
+        self._collect_garbage(old)
+
+    def _collect_garbage(self, owner_uid: str) -> None:
         for name, obj in list(self.slices.items()):
-            if any(o.get("uid") == old for o in obj["metadata"].get("ownerReferences") or []):
+            if any(o.get("uid") == owner_uid for o in obj["metadata"].get("ownerReferences") or []):
                 self._delete(name)
 
     def compact(self) -> None:
         """etcd compaction: a watch from an older resourceVersion gets ERROR 410."""
         self._compacted = self._history[-1][0] if self._history else 0
+
+    def created(self, kind: str, name: str, namespace: str = "") -> dict[str, Any] | None:
+        """The object of a manifest kind an administrator created, if it exists."""
+        return self.objects.get((kind, namespace, name))
 
     def end_watches(self) -> None:
         """End every open watch, as the apiserver does after timeoutSeconds or on restart."""
@@ -135,7 +217,7 @@ class FakeApiServer:
     def bookmark(self) -> None:
         rv = str(next(self._rv))
         for watcher in self._watchers:
-            if watcher.bookmarks:
+            if watcher.bookmarks and watcher.resource == "resourceslices":
                 watcher.queue.put_nowait(
                     {
                         "type": "BOOKMARK",
@@ -158,20 +240,21 @@ class FakeApiServer:
                     return kind, obj
 
     # -- storage ------------------------------------------------------------------------------------
-    def _record(self, kind: str, obj: dict[str, Any]) -> None:
+    def _record(self, resource: str, kind: str, obj: dict[str, Any]) -> None:
         rv = next(self._rv)
         obj["metadata"]["resourceVersion"] = str(rv)
         snapshot = copy.deepcopy(obj)
-        self._history.append((rv, kind, snapshot))
-        self.changes.put_nowait((kind, snapshot))
+        self._history.append((rv, resource, kind, snapshot))
+        if resource == "resourceslices":
+            self.changes.put_nowait((kind, snapshot))
         for watcher in self._watchers:
-            if self._selected(snapshot, watcher.selector):
+            if watcher.resource == resource and self._selected(snapshot, watcher.selector):
                 watcher.queue.put_nowait({"type": kind, "object": snapshot})
 
     def _delete(self, name: str) -> dict[str, Any]:
         obj = self.slices.pop(name)
         self._forbidden.pop(name, None)
-        self._record("DELETED", obj)
+        self._record("resourceslices", "DELETED", obj)
         return obj
 
     @staticmethod
@@ -181,6 +264,7 @@ class FakeApiServer:
     # -- HTTP ---------------------------------------------------------------------------------------
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(f"{request.method} {request.path_qs}")
+        self.arrivals.put_nowait(self.requests[-1])
         try:
             return await self._route(request)
         except Problem as p:
@@ -189,33 +273,25 @@ class FakeApiServer:
             return web.json_response(status(p.code, p.reason, p.message), status=p.code)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911, PLR0912 - one return per route
-        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
-            raise Problem(401, "Unauthorized", "Unauthorized")
         path, method = request.path, request.method
-        if m := re.fullmatch(r"/api/v1/nodes/([^/]+)", path):
-            if m[1] != self.node_name:
-                raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot read '{m[1]}'")
-            return web.json_response(self._get(self.nodes, m[1], "nodes"))
+        bearer = request.headers.get("Authorization")
+        if self.admin_token is not None and bearer == f"Bearer {self.admin_token}":
+            return await self._admin(request)
+        if self.token is not None and bearer != f"Bearer {self.token}":
+            raise Problem(401, "Unauthorized", "Unauthorized")
+        if path.startswith(NODES) and method == "GET":
+            return await self._nodes(request)
         if m := re.fullmatch(r"/apis/resource.k8s.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)", path):
             return web.json_response(self._get(self.claims, (m[1], m[2]), "resourceclaims.resource.k8s.io"))
-        if path == DEVICE_CLASSES and method == "GET":
+        if path == COLLECTIONS["DeviceClass"] and method == "GET":
             return self._device_classes()
         if path == SLICES and method == "POST":
-            return web.json_response(self._create(await self._body(request)), status=201)
+            return web.json_response(await self._create(await self._body(request)), status=201)
         if path == SLICES and method == "GET":
             selector = self._selector(request.query.get("fieldSelector", ""))
             if request.query.get("watch") in ("1", "true"):
-                return await self._watch(request, selector)
-            items = [copy.deepcopy(s) for s in self.slices.values() if self._selected(s, selector)]
-            rv = str(self._history[-1][0]) if self._history else "1"
-            return web.json_response(
-                {
-                    "kind": "ResourceSliceList",
-                    "apiVersion": "resource.k8s.io/v1",
-                    "metadata": {"resourceVersion": rv},
-                    "items": items,
-                }
-            )
+                return await self._watch(request, "resourceslices", selector)
+            return web.json_response(self._list("ResourceSliceList", self.slices.values(), selector))
         if m := re.fullmatch(SLICES + r"/([^/]+)", path):
             name = m[1]
             if self._forbidden.get(name, 0) > 0:
@@ -233,13 +309,74 @@ class FakeApiServer:
             if method == "DELETE":
                 self._get(self.slices, name, "resourceslices.resource.k8s.io")
                 return web.json_response(self._delete(name))
+        if any(path.startswith(c.split("{")[0]) for c in COLLECTIONS.values()):
+            raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot {method} {path}")
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
 
     def _device_classes(self) -> web.StreamResponse:
         if self.device_classes_forbidden:
             raise Problem(403, "Forbidden", "deviceclasses.resource.k8s.io is forbidden: User cannot list resource")
-        items = [copy.deepcopy(c) for c in self.device_classes.values()]
+        items = [copy.deepcopy(o) for (kind, _, _), o in self.objects.items() if kind == "DeviceClass"]
         return web.json_response({"kind": "DeviceClassList", "apiVersion": "resource.k8s.io/v1", "items": items})
+
+    async def _nodes(self, request: web.Request) -> web.StreamResponse:
+        """GET of its own Node; list and watch only with ``metadata.name=<node>`` (AuthorizeNodeWithSelectors)."""
+        if m := re.fullmatch(NODES + r"/([^/]+)", request.path):
+            if m[1] != self.node_name:
+                raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot read '{m[1]}'")
+            return web.json_response(self._get(self.nodes, m[1], "nodes"))
+        if request.path != NODES:
+            raise Problem(404, "NotFound", f"the server could not find the requested resource ({request.path})")
+        selector = parse_selector(request.query.get("fieldSelector", ""))
+        if selector != {"metadata.name": self.node_name}:
+            raise Problem(403, "Forbidden", f"node '{self.node_name}' can only list/watch its own Node")
+        if request.query.get("watch") in ("1", "true"):
+            return await self._watch(request, "nodes", selector)
+        return web.json_response(self._list("NodeList", self.nodes.values(), selector))
+
+    def _list(self, kind: str, objs: Any, selector: dict[str, str]) -> dict[str, Any]:
+        items = [copy.deepcopy(o) for o in objs if self._selected(o, selector)]
+        rv = str(self._history[-1][0]) if self._history else "1"
+        return {"kind": kind, "metadata": {"resourceVersion": rv}, "items": items}
+
+    async def _admin(self, request: web.Request) -> web.StreamResponse:
+        """An administrator applying manifests: create, get, replace the kinds ``dra-manifests`` prints."""
+        path, method = request.path, request.method
+        for kind, template in COLLECTIONS.items():
+            pattern = re.escape(template).replace(re.escape("{ns}"), "(?P<ns>[^/]+)") + "(?:/(?P<name>[^/]+))?"
+            if m := re.fullmatch(pattern, path):
+                body = await self._body(request) if method in ("POST", "PUT") else None
+                return self._admin_call(method, kind, m.groupdict().get("ns") or "", m["name"] or "", body)
+        raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
+
+    def _admin_call(
+        self, method: str, kind: str, namespace: str, name: str, body: dict[str, Any] | None
+    ) -> web.StreamResponse:
+        resource = COLLECTIONS[kind].rsplit("/", 1)[1]
+        if method == "GET" and name:
+            return web.json_response(self._get(self.objects, (kind, namespace, name), resource))
+        if method not in ("POST", "PUT") or body is None or (method == "POST") == bool(name):
+            raise Problem(405, "MethodNotAllowed", f"{method} is not supported here")
+        if body.get("kind") != kind:
+            raise Problem(400, "BadRequest", f"the body is a {body.get('kind')!r}, not a {kind}")
+        if (body.get("metadata") or {}).get("namespace", namespace) != namespace:
+            raise Problem(400, "BadRequest", "the namespace of the object does not match the namespace of the request")
+        errors = validate_object(kind, body)
+        if errors:
+            shown = (body.get("metadata") or {}).get("name", "")
+            raise Problem(422, "Invalid", f'{kind} "{shown}" is invalid: ' + "; ".join(errors))
+        if namespace and ("Namespace", "", namespace) not in self.objects:  # the NamespaceLifecycle admission plugin
+            raise Problem(404, "NotFound", f'namespaces "{namespace}" not found')
+        key = (kind, namespace, body["metadata"]["name"])
+        if method == "POST" and key in self.objects:
+            raise Problem(409, "AlreadyExists", f'{resource} "{key[2]}" already exists')
+        if method == "PUT" and (key[2] != name or key not in self.objects):
+            raise Problem(404, "NotFound", f'{resource} "{name}" not found')
+        obj = copy.deepcopy(body)
+        obj["metadata"]["uid"] = self.objects[key]["metadata"]["uid"] if key in self.objects else str(uuid.uuid4())
+        obj["metadata"]["resourceVersion"] = str(next(self._rv))
+        self.objects[key] = obj
+        return web.json_response(copy.deepcopy(obj), status=201 if method == "POST" else 200)
 
     @staticmethod
     def _get(store: dict[Any, dict[str, Any]], key: Any, what: str) -> dict[str, Any]:
@@ -266,25 +403,33 @@ class FakeApiServer:
             )
         return selector
 
-    def _create(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _create(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self._creates_open is not None:
+            await self._creates_open.wait()
         obj = self._admit(body, None)
         meta = obj["metadata"]
-        if not meta.get("name"):
-            if not meta.get("generateName"):
-                raise Problem(422, "Invalid", "metadata.name: Required value: name or generateName is required")
-            meta["name"] = meta["generateName"][:58] + uuid.uuid4().hex[:5]
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = generated_name(meta["generateName"], uuid.uuid4().hex[:5])
+        errors = validate_meta("ResourceSlice", obj)
+        if errors:
+            raise Problem(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(errors))
         if meta["name"] in self.slices:
             raise Problem(409, "AlreadyExists", f'resourceslices.resource.k8s.io "{meta["name"]}" already exists')
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp="2026-01-01T00:00:00Z")
         self.slices[meta["name"]] = obj
         if self.forbid_after_create:
             self._forbidden[meta["name"]] = self.forbid_after_create
-        self._record("ADDED", obj)
+        self._record("resourceslices", "ADDED", obj)
         return copy.deepcopy(obj)
 
     def _update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
         obj = self._admit(body, old)
+        errors = validate_meta("ResourceSlice", obj)
+        if obj["metadata"].get("name") != name:
+            errors.append("metadata.name: Invalid value: field is immutable")
+        if errors:
+            raise Problem(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(errors))
         if obj["metadata"].get("resourceVersion") != old["metadata"]["resourceVersion"]:
             raise Problem(
                 409,
@@ -297,7 +442,7 @@ class FakeApiServer:
         changed = obj["spec"] != old["spec"]
         obj["metadata"]["generation"] = old["metadata"]["generation"] + (1 if changed else 0)
         self.slices[name] = obj
-        self._record("MODIFIED", obj)
+        self._record("resourceslices", "MODIFIED", obj)
         return copy.deepcopy(obj)
 
     def _admit(self, body: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
@@ -313,8 +458,8 @@ class FakeApiServer:
                 device.pop("allowMultipleAllocations", None)
         return obj
 
-    async def _watch(self, request: web.Request, selector: dict[str, str]) -> web.StreamResponse:
-        watcher = _Watcher(selector, request.query.get("allowWatchBookmarks") == "true")
+    async def _watch(self, request: web.Request, resource: str, selector: dict[str, str]) -> web.StreamResponse:
+        watcher = _Watcher(resource, selector, request.query.get("allowWatchBookmarks") == "true")
         since = request.query.get("resourceVersion", "")
         if since not in ("", "0") and int(since) < self._compacted:
             watcher.queue.put_nowait(
@@ -322,12 +467,12 @@ class FakeApiServer:
             )
             watcher.queue.put_nowait(None)
         elif since in ("", "0"):
-            for obj in self.slices.values():
+            for obj in (self.slices if resource == "resourceslices" else self.nodes).values():
                 if self._selected(obj, selector):
                     watcher.queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(obj)})
         else:
-            for rv, kind, obj in self._history:
-                if rv > int(since) and self._selected(obj, selector):
+            for rv, what, kind, obj in self._history:
+                if what == resource and rv > int(since) and self._selected(obj, selector):
                     watcher.queue.put_nowait({"type": kind, "object": obj})
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()

@@ -8,7 +8,8 @@ It behaves as kubelet 1.36 does (shared/reference/dra-contract.md §1, §2):
   take the first supported version it knows (``known_versions``; kubelet 1.32 knows only
   ``v1beta1.DRAPlugin``), then NotifyRegistrationStatus (5 s) with the outcome;
 - prepare/unprepare through the chosen version on the returned endpoint, 45 s per call, and the
-  v1alpha1 health stream (``watch_health``).
+  v1alpha1 health stream (``watch_health``);
+- ``restart()``: a kubelet started again registers every plugin socket anew.
 
 Tests read ``events`` (an asyncio.Queue) with timeouts.
 """
@@ -89,6 +90,15 @@ class FakeDraKubelet:
         for plugin in list(self.plugins.values()):
             await plugin.channel.close()
         self.plugins.clear()
+
+    async def restart(self) -> None:
+        """A new kubelet: every registration and stream of the old one gone, then the new plugin
+        watcher's initial walk registers each socket again. (Its deletion of the node's slices is the
+        API server's ``kubelet_restarted()``, so a test can order the two.)"""
+        await self.stop()
+        self._stopping = False
+        self.events.put_nowait(Event("restart"))
+        await self.start()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

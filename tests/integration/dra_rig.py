@@ -1,5 +1,6 @@
-"""A DRA driver between a fake kubelet and a fake API server, in a short temp dir (unix socket paths
-are limited to 107 bytes, which pytest's tmp_path can exceed)."""
+"""A DRA driver (``rig``), or the whole daemon in DRA mode (``dra_node``), between a fake kubelet and a
+fake API server, in a short temp dir (unix socket paths are limited to 107 bytes, which pytest's
+tmp_path can exceed)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,22 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from ate_devplugd.config import Config
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.driver import DraDriver, DraStatus
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.slices import SliceState
+from ate_devplugd.kernel import KernelView
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.certs import Pki
 from tests.fakes.dra_kubelet import FakeDraKubelet
+from tests.support import DaemonInProcess, FakeMonitor, NotifyReceiver, daemon_in_process, kvm_config
 
 NODE = "node-1"
 TOKEN = "t0ken"
+DRIVER = "kvm.ate.dev"
+POOL = f"{NODE}/ate.dev/kvm"
 KVM = DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")
 
 
@@ -97,6 +103,11 @@ class Rig:
     async def published(self) -> DraStatus:
         return await self.status(lambda s: s.slices is SliceState.PUBLISHED)
 
+    def forget(self) -> None:
+        """Drop the statuses reported so far: ``status()`` then sees only the current one and later ones."""
+        while not self.statuses.empty():
+            self.statuses.get_nowait()
+
 
 @contextlib.asynccontextmanager
 async def short_dir() -> AsyncIterator[Path]:
@@ -115,6 +126,7 @@ async def rig(
     start_driver: bool = True,
     load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
     api_options: dict[str, Any] | None = None,
+    backoff: tuple[float, float] = (0.01, 0.2),
     **dra: Any,
 ) -> AsyncIterator[Rig]:
     async with short_dir() as base:
@@ -126,7 +138,7 @@ async def rig(
         config = DraConfig(node_name=NODE, kubeconfig=str(kc), kubelet_dir=str(base / "kubelet"), **dra)
         statuses: asyncio.Queue[DraStatus] = asyncio.Queue()
         driver = DraDriver(
-            config, resources, load_credentials=load_credentials, backoff=(0.01, 0.2), on_status=statuses.put_nowait
+            config, resources, load_credentials=load_credentials, backoff=backoff, on_status=statuses.put_nowait
         )
         kubelet = FakeDraKubelet(base / "kubelet")
         records = Records()
@@ -144,3 +156,59 @@ async def rig(
             await kubelet.stop()
             await api.stop()
             logger.removeHandler(records)
+
+
+@dataclasses.dataclass
+class DraNode:
+    """The whole daemon in DRA mode, in process, between the fake API server and the fake DRA kubelet."""
+
+    dir: Path
+    api: FakeApiServer
+    kubelet: FakeDraKubelet
+    config: Config
+    running: DaemonInProcess
+    notify: NotifyReceiver
+
+    async def status(self, text: str) -> str:
+        """The daemon's STATUS= once it contains ``text``."""
+        return (await self.notify.wait_for(lambda f: text in f.get("STATUS", "")))["STATUS"]
+
+    def claim(self, name: str, device: str = "kvm-0") -> tuple[str, str, str]:
+        uid = self.api.add_claim(
+            "default", name, [{"request": "kvm", "driver": DRIVER, "pool": POOL, "device": device}]
+        )
+        return "default", uid, name
+
+
+@contextlib.asynccontextmanager
+async def dra_node(
+    kernel: KernelView,
+    dev_root: Path,
+    monitor: FakeMonitor | None = None,
+    reload_config: Callable[[], Config] | None = None,
+    *,
+    metrics_file: Path | str = "",
+) -> AsyncIterator[DraNode]:
+    """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher."""
+    async with short_dir() as base:
+        api = FakeApiServer(NODE, token=TOKEN)
+        await api.start()
+        kubeconfig = write_kubeconfig(base / "kubeconfig", api.url)
+        dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig), kubelet_dir=str(base / "kubelet"))
+        plugin_dir = base / "device-plugins"
+        plugin_dir.mkdir()
+        config = dataclasses.replace(
+            kvm_config(plugin_dir, dev_root, cdi=True, metrics_file=metrics_file), mode="dra", dra=dra
+        )
+        notify = NotifyReceiver(base / "notify")
+        kubelet = FakeDraKubelet(base / "kubelet")
+        try:
+            async with daemon_in_process(
+                config, kernel, monitor=monitor, reload_config=reload_config, notify=notify.path
+            ) as running:
+                await kubelet.start()
+                yield DraNode(base, api, kubelet, config, running, notify)
+        finally:
+            await kubelet.stop()
+            await api.stop()
+            await notify.close()

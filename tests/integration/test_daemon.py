@@ -6,7 +6,6 @@ kernel uevents (``change`` written to /sys/class/misc/kvm/uevent).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from tests.support import (
     daemon,
     kvm_uevent,
     make_kvm_node,
+    run_cli,
     started_kubelet,
     subprocess_env,
     wait_for_path,
@@ -322,30 +322,32 @@ class TestProbeCommand:
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         async with daemon(cfg):
             await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "ate_devplugd",
-                "probe",
-                "--config",
-                str(cfg),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=subprocess_env(),
-            )
-            out, err = await proc.communicate()
-        assert proc.returncode == 0, err
-        lines = out.decode().splitlines()
-        assert lines[0].split() == ["RESOURCE", "SOCKET", "HEALTHY/TOTAL", "GRANTS"]
+            status, out, err = await run_cli("probe", "--config", str(cfg))
+        assert status == 0, err
+        lines = out.splitlines()
+        assert lines[0].split() == ["RESOURCE", "SOCKET", "HEALTHY/TOTAL", "CDI", "GRANTS"]
         assert lines[1].split() == [
             "ate.dev/kvm",
             "ate.dev-kvm.sock",
             "4096/4096",
+            "-",
             "/dev/kvm",
             "->",
             "/dev/kvm",
             "(rw)",
         ]
+
+    async def test_probe_shows_the_cdi_device(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """With cdi = true the table names the CDI device Allocate returns beside the DeviceSpec."""
+        devices = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncdi = true\n'
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root, devices)
+        async with daemon(cfg):
+            await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
+            status, out, err = await run_cli("probe", "--config", str(cfg))
+        assert status == 0, err
+        header, row = out.splitlines()
+        assert row.split()[:4] == ["ate.dev/kvm", "ate.dev-kvm.sock", "4096/4096", "ate.dev/kvm=kvm"], out
+        assert header.index("CDI") == row.index("ate.dev/kvm=kvm")
 
     def test_probe_dead_socket_fails(self, plugin_dir: Path) -> None:
         """A socket that does not answer makes probe exit non-zero."""

@@ -214,7 +214,7 @@ class TestDraMode:
             )
             dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig))
             klass = manifests.device_class(dra, "ate.dev/kvm")
-            api.device_classes[klass["metadata"]["name"]] = klass
+            api.objects["DeviceClass", "", klass["metadata"]["name"]] = klass
             node = Node(kernel=kernel, find_kubelet=lambda: None)
             checks = by_check(await examine(path, node))
             assert checks["apiserver"].level is Level.OK
@@ -227,7 +227,7 @@ class TestDraMode:
                 "metadata": {"name": "s1"},
                 "spec": slice_spec(dra, pool, 1, present=True),
             }
-            api.device_classes.clear()
+            del api.objects["DeviceClass", "", klass["metadata"]["name"]]
             checks = by_check(await examine(path, node))
             assert checks["slice ate.dev/kvm"].level is Level.OK
             assert checks["slice ate.dev/kvm"].message == "s1 published with 128 device(s)"

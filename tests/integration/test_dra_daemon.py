@@ -5,83 +5,21 @@ real reader of the CDI spec a prepared claim names."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from ate_devplugd import config as configmod
 from ate_devplugd.config import Config
 from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.kernel import KernelView, UdevKernelView
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.dra_kubelet import FakeDraKubelet
-from tests.integration.dra_rig import NODE, TOKEN, short_dir, write_kubeconfig
+from ate_devplugd.kernel import UdevKernelView
+from tests.integration.dra_rig import DRIVER, NODE, dra_node, short_dir
 from tests.podman import Podman
-from tests.support import (
-    DaemonInProcess,
-    FakeKernel,
-    FakeMonitor,
-    NotifyReceiver,
-    daemon_in_process,
-    kvm_config,
-)
+from tests.support import FakeKernel, FakeMonitor, daemon_in_process, kvm_config, run_cli
 
-DRIVER = "kvm.ate.dev"
-POOL = f"{NODE}/ate.dev/kvm"
 SANDBOX = (4242, 4242)
-
-
-@dataclasses.dataclass
-class DraNode:
-    dir: Path
-    api: FakeApiServer
-    kubelet: FakeDraKubelet
-    config: Config
-    running: DaemonInProcess
-    notify: NotifyReceiver
-
-    async def status(self, text: str) -> str:
-        """The daemon's STATUS= once it contains ``text``."""
-        return (await self.notify.wait_for(lambda f: text in f.get("STATUS", "")))["STATUS"]
-
-    def claim(self, name: str, device: str = "kvm-0") -> tuple[str, str, str]:
-        uid = self.api.add_claim(
-            "default", name, [{"request": "kvm", "driver": DRIVER, "pool": POOL, "device": device}]
-        )
-        return "default", uid, name
-
-
-@contextlib.asynccontextmanager
-async def dra_node(
-    kernel: KernelView,
-    dev_root: Path,
-    monitor: FakeMonitor | None = None,
-    reload_config: Callable[[], Config] | None = None,
-) -> AsyncIterator[DraNode]:
-    """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher."""
-    async with short_dir() as base:
-        api = FakeApiServer(NODE, token=TOKEN)
-        await api.start()
-        kubeconfig = write_kubeconfig(base / "kubeconfig", api.url)
-        dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig), kubelet_dir=str(base / "kubelet"))
-        plugin_dir = base / "device-plugins"
-        plugin_dir.mkdir()
-        config = dataclasses.replace(kvm_config(plugin_dir, dev_root, cdi=True), mode="dra", dra=dra)
-        notify = NotifyReceiver(base / "notify")
-        kubelet = FakeDraKubelet(base / "kubelet")
-        try:
-            async with daemon_in_process(
-                config, kernel, monitor=monitor, reload_config=reload_config, notify=notify.path
-            ) as running:
-                await kubelet.start()
-                yield DraNode(base, api, kubelet, config, running, notify)
-        finally:
-            await kubelet.stop()
-            await api.stop()
-            await notify.close()
 
 
 class TestDraMode:
@@ -146,6 +84,27 @@ class TestDraMode:
             kind, obj = await node.api.next_change("ADDED", timeout=1.0)
             assert kind == "ADDED" and obj["spec"]["nodeName"] == NODE
 
+    async def test_status_when_kubelet_registers_between_its_deletion_and_the_republish(
+        self, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A kubelet restart in this order: its start deletes the slice, it registers the driver again,
+        and only then does the republish land. STATUS says so at each step and ends with all 128
+        devices; it never claims the device is absent."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("dra: registered with kubelet, slice published (128 devices)")
+            node.api.hold_creates()
+            assert node.api.kubelet_restarted()
+            await node.api.next_request("POST /apis/resource.k8s.io/v1/resourceslices")  # held
+            await node.status("dra: registered with kubelet, slices deleted, publishing again")
+            await node.kubelet.restart()
+            await node.kubelet.next_event("registered")  # after the daemon answered the notice
+            node.api.release_creates()
+            await node.api.next_change("ADDED")
+            await node.status("dra: registered with kubelet, slice published (128 devices)")
+            shown = [f["STATUS"] for f in node.notify.history if "STATUS" in f]
+            assert not [s for s in shown if "no device present" in s], shown
+
     async def test_live_socket_at_the_registration_path_stops_the_start(
         self, fake_root: Path, kernel: FakeKernel
     ) -> None:
@@ -168,6 +127,52 @@ class TestDraMode:
                 assert str(registration) in error.getMessage() and error.exc_info is None
                 assert registration.is_socket()
                 assert not Path(dra.plugin_socket).exists()
+
+
+async def probe(config: Config, directory: Path) -> tuple[int, list[str]]:
+    """``ate-devplugd probe`` run with ``config`` written to a file: its exit status and lines."""
+    path = directory / "probe.toml"
+    path.write_text(configmod.render(config))
+    status, out, err = await run_cli("probe", "--config", str(path), "--timeout", "3")
+    assert not err, err
+    return status, out.splitlines()
+
+
+class TestProbe:
+    async def test_what_the_node_serves(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """probe in DRA mode: GetInfo of the registration socket, the plugin socket answering with the
+        devices' health, and the node's slice of the driver."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("slice published (128 devices)")
+            status, lines = await probe(node.config, node.dir)
+            (published,) = node.api.node_slices()
+        dra = node.config.dra
+        assert dra is not None
+        assert status == 0, lines
+        assert lines[0].split() == ["CHECK", "WHERE", "RESULT"]
+        registration, plugin, slices = (line.split(None, 2) for line in lines[1:4])
+        assert registration == [
+            "registration",
+            dra.registration_socket,
+            f"GetInfo: DRAPlugin {DRIVER}, v1.DRAPlugin v1beta1.DRAPlugin, endpoint {dra.plugin_socket}",
+        ]
+        assert plugin == ["plugin", dra.plugin_socket, "DRAPlugin v1 answers; health: 128/128 devices healthy"]
+        assert slices == ["slices", node.api.url, f"1 ResourceSlice of {DRIVER} on node {NODE}"]
+        assert lines[4] == ""
+        assert lines[5].split() == ["SLICE", "POOL", "GENERATION", "DEVICES"]
+        assert lines[6].split() == [published["metadata"]["name"], f"{NODE}/ate.dev/kvm", "1", "128"]
+
+    async def test_nothing_served(self, fake_root: Path) -> None:
+        """No daemon and no API server: each check says what failed, and probe exits 1."""
+        async with short_dir() as base:
+            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "kubeconfig"), kubelet_dir=str(base / "kubelet"))
+            config = dataclasses.replace(kvm_config(base, fake_root, cdi=True), mode="dra", dra=dra)
+            status, lines = await probe(config, base)
+        assert status == 1, lines
+        assert [line.split()[0] for line in lines[1:]] == ["registration", "plugin", "slices"]
+        assert all(" ERROR " in line for line in lines[1:]), lines
+        assert "cannot read" in lines[3], lines
 
 
 class TestDraWithARealRuntime:

@@ -200,13 +200,20 @@ class TestPrepare:
             assert response.claims[uid].error == ""
 
     async def test_unprepare_answers_every_claim(self) -> None:
-        """Unprepare succeeds for every claim, known or not, every time."""
+        """Unprepare succeeds for every claim, known or not, every time; each is logged at info, as a
+        prepare is, so the journal shows both ends of a claim."""
         async with rig() as r:
             await r.kubelet.next_event("registered")
             claims = [("ns", "u1", "a"), ("ns", "u2", "b")]
             for _ in range(2):
                 response = await r.kubelet.unprepare(DRIVER, *claims)
                 assert {uid: e.error for uid, e in response.claims.items()} == {"u1": "", "u2": ""}
+            said = r.log.events("dra-unprepare")
+            assert [(e.levelno, e.getMessage()) for e in said[:2]] == [
+                (logging.INFO, "dra: unprepared claim ns/a (uid u1)"),
+                (logging.INFO, "dra: unprepared claim ns/b (uid u2)"),
+            ]
+            assert len(said) == 4
 
 
 class TestHealthStream:

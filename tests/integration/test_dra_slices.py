@@ -59,10 +59,12 @@ class TestPublish:
             assert obj["spec"]["devices"] == []
 
     async def test_matching_slice_adopted(self) -> None:
-        """A driver restart finds its slice as it would write it and leaves it alone."""
+        """A driver restart finds its slice as it would write it and leaves it alone, saying so once at info
+        (not again when its watch is renewed)."""
         async with rig() as r:
             await r.api.next_change("ADDED")
             await r.driver.stop()
+            assert not r.log.events("dra-slice-adopted")
             statuses: asyncio.Queue[DraStatus] = asyncio.Queue()
             again = DraDriver(r.config, [KVM], backoff=(0.01, 0.2), on_status=statuses.put_nowait)
             await again.start()
@@ -70,9 +72,15 @@ class TestPublish:
                 async with asyncio.timeout(5):
                     while (await statuses.get()).slices is not SliceState.PUBLISHED:
                         pass
+                watches = sum("watch=1" in q for q in r.api.requests)
+                r.api.end_watches()  # a renewal lists and reconciles again
+                while sum("watch=1" in q for q in r.api.requests) == watches:
+                    await r.api.next_request("GET /apis/resource.k8s.io/v1/resourceslices")
             finally:
                 await again.stop()
             assert r.api.changes.empty()
+            (adopted,) = r.log.events("dra-slice-adopted")
+            assert adopted.levelno == logging.INFO and "(128 devices)" in adopted.getMessage()
 
     async def test_stale_pool_deleted(self) -> None:
         """A slice of a pool the driver no longer serves is deleted."""
@@ -130,6 +138,76 @@ class TestRepublish:
             assert sum("watch=1" in q for q in r.api.requests) > watches
 
 
+#: The publisher's back-off as the daemon runs it (DraDriver's default): 0.5 s, doubling up to 30 s.
+DAEMON_BACKOFF = (0.5, 30.0)
+
+
+async def node_lookups(api: FakeApiServer, count: int) -> None:
+    """Until the driver has asked for its Node ``count`` times (a GET, a list or a watch, each one)."""
+    for _ in range(count):
+        await api.next_request("GET /api/v1/nodes", timeout=10)
+
+
+class TestNodeAndOutages:
+    """With the daemon's own back-off: how soon the slice follows the Node's creation, and the API
+    server's return after an outage (the figures are printed)."""
+
+    @pytest.mark.parametrize("case", ["first boot", "node created again"])
+    async def test_slice_follows_the_node(self, case: str) -> None:
+        """The Node missing (kubelet has not created it yet, or it was deleted with its slices): the
+        driver follows it and publishes as soon as it exists, not at its next retry."""
+        async with rig(start_driver=False, backoff=DAEMON_BACKOFF) as r:
+            if case == "first boot":
+                r.api.delete_node(NODE)
+                await r.driver.start()
+            else:
+                await r.driver.start()
+                await r.api.next_change("ADDED")
+                await r.published()
+                r.api.delete_node(NODE)  # and the garbage collector its slice
+                await r.api.next_change("DELETED")
+            await node_lookups(r.api, 3)
+            status = await r.status(lambda s: s.slices is SliceState.WAITING_FOR_NODE)
+            assert str(status).endswith(f"slices waiting for their Node: {NODE}")
+            loop = asyncio.get_running_loop()
+            created = loop.time()
+            uid = r.api.add_node(NODE)["metadata"]["uid"]
+            _, obj = await r.api.next_change("ADDED", timeout=10)
+            took = loop.time() - created
+            print(f"{case}: Node created -> slice published: {took * 1000:.1f} ms")
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+            assert took < 1.0, took
+
+    async def test_back_about_a_second_after_the_api_server(self) -> None:
+        """An outage long enough for the back-off to grow (four failed sessions): the slices are published
+        again within about a second of the API server's return, and the return is said once at info."""
+        async with rig(backoff=DAEMON_BACKOFF) as r:
+            await r.api.next_change("ADDED")
+            await r.published()
+            await r.api.stop()
+            failures = await r.log.wait_events("dra-api-error", 4, timeout=20)
+            delays = [float(f.getMessage().split("retrying in ")[1].split(" s")[0]) for f in failures]
+            r.forget()
+            loop = asyncio.get_running_loop()
+            back = loop.time()
+            await r.api.start()
+            await r.published()
+            took = loop.time() - back
+            print(f"API server back -> slices published again: {took * 1000:.0f} ms (retry delays {delays})")
+            assert took < 2.0, took
+            assert all(d <= slices.RECONNECT_SECONDS for d in delays), delays
+            (said,) = r.log.events("dra-api-back")
+            assert said.levelno == logging.INFO
+
+    def test_reconnect_delays_are_jittered(self) -> None:
+        """Half to all of a second at most, and spread: a fleet that lost the API server at once does not
+        come back in step."""
+        draws = [slices.reconnect_delay(30.0) for _ in range(200)]
+        assert all(0.5 <= d <= 1.0 for d in draws)
+        assert max(draws) - min(draws) > 0.3
+        assert slices.reconnect_delay(0.5, lambda a, b: b) == 0.5
+
+
 class TestHealth:
     async def test_vanished_device_withdrawn_and_back(self) -> None:
         """A vanished device empties its pool's slice (a new generation) and its return fills it again."""
@@ -176,6 +254,8 @@ class TestSharing:
             ]
             await r.kubelet.next_event("registered")
             await r.published()
+            (published,) = r.log.events("dra-slice-published")
+            assert published.getMessage().endswith("published (1 device)")
             result = {"request": "r", "driver": "kvm.ate.dev", "pool": POOL, "device": "kvm", "shareID": "share-1"}
             uid = r.api.add_claim("ns", "c", [result])
             response = await r.kubelet.prepare("kvm.ate.dev", ("ns", uid, "c"))

@@ -16,9 +16,11 @@ from ate_devplugd import __version__
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.runtime_cdi import CdiVerdict
 from ate_devplugd.textfile import TextfileWriter
+from tests.integration.dra_rig import DRIVER, dra_node
 from tests.prometheus_tools import NodeExporter, node_exporter, promtool, sample, watching
 from tests.support import (
     FakeKernel,
+    FakeMonitor,
     daemon,
     daemon_in_process,
     kvm_config,
@@ -163,13 +165,14 @@ class TestPromtool:
         writer.close()
 
     async def test_check_rules_accepts_the_shipped_rules(self) -> None:
-        """promtool check rules accepts the four shipped alerts."""
+        """promtool check rules accepts the nine shipped alerts."""
         rc, out = await promtool("check", "rules", str(RULES))
         assert rc == 0, out
-        assert "SUCCESS: 6 rules found" in out, out
+        assert "SUCCESS: 9 rules found" in out, out
 
     async def test_alerts_fire_when_they_should(self) -> None:
-        """promtool test rules: each alert fires for its case after its delay, and not for the healthy ones."""
+        """promtool test rules: each alert fires for its case after its delay, and not for the healthy ones,
+        with nodes in device-plugin mode and in DRA mode."""
         rc, out = await promtool("test", "rules", str(RULES_TEST))
         assert rc == 0, out
 
@@ -251,3 +254,72 @@ class TestDaemonThroughNodeExporter:
                     assert 1 <= events.renames <= took / 1.0 + 2, (events.renames, took)
         finally:
             await kubelet.stop()
+
+
+class TestDraModeThroughNodeExporter:
+    """DRA mode's file as node_exporter serves it: the shared series true for DRA, and DRA's own."""
+
+    async def test_values_move_as_they_should(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """registered 1 once kubelet took the driver; advertised and healthy units = the 128 devices of the
+        published slice, 0 while the device is gone; allocations = claims prepared; prepare errors,
+        unprepares, slice writes by reason and API errors counted; promtool's lint finds nothing."""
+        textfiles = tmp_path / "textfile"
+        textfiles.mkdir()
+        path = textfiles / FILE
+        monitor = FakeMonitor()
+        try:
+            async with (
+                node_exporter(textfiles) as exporter,
+                dra_node(kernel, fake_root, monitor, metrics_file=path) as node,
+            ):
+                await node.kubelet.next_event("registered")
+                await node.status("registered with kubelet, slice published (128 devices)")
+                # both in one write: the file may first show one of them (writes are coalesced)
+                await wait_for_content(path, f'ate_devplugd_registered{{resource="{KVM}"}} 1.0')
+                families = await TestDaemonThroughNodeExporter.scraped(
+                    exporter, path, f'ate_devplugd_advertised_units{{resource="{KVM}"}} 128.0'
+                )
+                assert sample(families, "ate_devplugd_registered", resource=KVM) == 1
+                assert sample(families, "ate_devplugd_registrations_total", resource=KVM) == 1
+                assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 128
+                assert sample(families, "ate_devplugd_dra_info", driver=DRIVER, sharing="units") == 1
+                assert sample(families, "ate_devplugd_dra_slice_publishes_total", resource=KVM, reason="created") == 1
+
+                claims = [node.claim(f"vm-{n}", f"kvm-{n}") for n in range(3)]
+                for claim in claims:
+                    await node.kubelet.prepare(DRIVER, claim)
+                await node.kubelet.prepare(DRIVER, ("default", "u-gone", "gone"))
+                await node.kubelet.unprepare(DRIVER, *claims)
+                families = await TestDaemonThroughNodeExporter.scraped(
+                    exporter, path, "ate_devplugd_dra_unprepares_total 3.0"
+                )
+                assert sample(families, "ate_devplugd_allocations_total", resource=KVM) == 3
+                assert sample(families, "ate_devplugd_dra_prepares_total") == 3
+                assert sample(families, "ate_devplugd_dra_prepare_errors_total", reason="not_found") == 1
+                assert sample(families, "ate_devplugd_dra_prepare_duration_seconds_count") == 4
+                assert sample(families, "ate_devplugd_dra_api_errors_total", reason="not_found") >= 1
+
+                kernel.remove_node(fake_root / "dev" / "kvm")
+                monitor.emit("remove")
+                families = await TestDaemonThroughNodeExporter.scraped(
+                    exporter, path, f'ate_devplugd_advertised_units{{resource="{KVM}"}} 0.0'
+                )
+                assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 0
+                assert sample(families, "ate_devplugd_device_healthy", resource=KVM) == 0
+                assert sample(families, "ate_devplugd_dra_slice_publishes_total", resource=KVM, reason="updated") == 1
+
+                kernel.add_node(fake_root / "dev" / "kvm")
+                monitor.emit("add")
+                await node.status("slice published (128 devices)")
+                node.api.kubelet_restarted()
+                await node.api.next_change("ADDED")
+                families = await TestDaemonThroughNodeExporter.scraped(
+                    exporter,
+                    path,
+                    f'ate_devplugd_dra_slice_publishes_total{{reason="republished",resource="{KVM}"}} 1.0',
+                )
+                assert sample(families, "ate_devplugd_advertised_units", resource=KVM) == 128
+                rc, out = await promtool("check", "metrics", stdin=path.read_bytes())
+                assert (rc, out.strip()) == (0, ""), out
+        finally:
+            monitor.close()

@@ -7,9 +7,10 @@ asyncio connection) and hands the answer back to the loop.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -20,9 +21,30 @@ from ate_devplugd.dra.kubeconfig import Credentials
 log = logging.getLogger(__name__)
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+NODES = "/api/v1/nodes"
 #: A single request (not a watch) that takes longer than this has failed.
 REQUEST_TIMEOUT = 15.0
 _USER_AGENT = "ate-devplugd"
+
+
+class ApiErrorKind(enum.Enum):
+    """A failed call, by what the API server answered (the ``reason`` of the API error counter)."""
+
+    UNREACHABLE = "unreachable"  # no answer: refused, timed out, a broken connection
+    UNAUTHORIZED = "unauthorized"  # 401
+    FORBIDDEN = "forbidden"  # 403
+    NOT_FOUND = "not_found"  # 404
+    CONFLICT = "conflict"  # 409
+    INVALID = "invalid"  # 422
+    THROTTLED = "throttled"  # 429
+    SERVER_ERROR = "server_error"  # 5xx
+    OTHER = "other"
+
+    @classmethod
+    def of_status(cls, status: int) -> ApiErrorKind:
+        by_status = {401: cls.UNAUTHORIZED, 403: cls.FORBIDDEN, 404: cls.NOT_FOUND, 409: cls.CONFLICT}
+        by_status |= {422: cls.INVALID, 429: cls.THROTTLED}
+        return by_status.get(status, cls.SERVER_ERROR if status >= 500 else cls.OTHER)
 
 
 class ApiError(Exception):
@@ -44,7 +66,7 @@ def claim_path(namespace: str, name: str) -> str:
 
 
 def node_path(name: str) -> str:
-    return f"/api/v1/nodes/{quote(name, safe='')}"
+    return f"{NODES}/{quote(name, safe='')}"
 
 
 def slice_path(name: str) -> str:
@@ -54,8 +76,10 @@ def slice_path(name: str) -> str:
 class ApiClient:
     """One connection pool to the API server, with the credentials it was built from."""
 
-    def __init__(self, credentials: Credentials) -> None:
+    def __init__(self, credentials: Credentials, on_error: Callable[[ApiErrorKind], None] | None = None) -> None:
         self.credentials = credentials
+        #: Told of every call that failed (the metrics count them).
+        self._on_error = on_error
         headers = {"Accept": "application/json", "User-Agent": _USER_AGENT, **credentials.headers}
         connector = aiohttp.TCPConnector(ssl=credentials.ssl_context or False, limit=8)
         self._session = aiohttp.ClientSession(
@@ -84,13 +108,20 @@ class ApiClient:
                 raw = await response.read()
                 status = response.status
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self._failed(ApiErrorKind.UNREACHABLE)
             raise ApiUnavailable(f"{method} {path}: {_describe(exc)}") from None
         decoded = _decode(raw)
         if status >= 300:
+            self._failed(ApiErrorKind.of_status(status))
             raise _error(status, decoded, raw)
         if not isinstance(decoded, dict):
+            self._failed(ApiErrorKind.OTHER)
             raise ApiUnavailable(f"{method} {path}: the answer is not a JSON object")
         return decoded
+
+    def _failed(self, kind: ApiErrorKind) -> None:
+        if self._on_error is not None:
+            self._on_error(kind)
 
     async def watch(self, path: str, params: Mapping[str, str]) -> AsyncIterator[dict[str, Any]]:
         """The events of a watch (``watch=1`` is added), one decoded JSON object each, until it ends."""
@@ -102,6 +133,7 @@ class ApiClient:
             ) as response:
                 if response.status >= 300:
                     raw = await response.read()
+                    self._failed(ApiErrorKind.of_status(response.status))
                     raise _error(response.status, _decode(raw), raw)
                 while True:
                     line = await response.content.readline()
@@ -111,9 +143,11 @@ class ApiClient:
                         continue
                     event = _decode(line)
                     if not isinstance(event, dict):
+                        self._failed(ApiErrorKind.OTHER)
                         raise ApiUnavailable(f"watch {path}: an event is not a JSON object")
                     yield event
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self._failed(ApiErrorKind.UNREACHABLE)
             raise ApiUnavailable(f"watch {path}: {_describe(exc)}") from None
 
 

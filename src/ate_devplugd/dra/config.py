@@ -149,4 +149,14 @@ def render(config: DraConfig) -> str:
     ]
     if config.sharing == "units":
         lines.append(f"devices = {config.devices}")
+    else:
+        lines += SHARED_LIMITATION
     return "\n".join(lines) + "\n"
+
+
+#: What ``check-config`` says of ``sharing = "shared"``: a request for 2 units has no answer there.
+SHARED_LIMITATION = (
+    "# shared: one device per resource, which the scheduler never allocates twice in one request: a pod",
+    "# asking for 2 or more (e.g. ate.dev/kvm: 2) stays Pending for ever; ask for 1 (one /dev/kvm serves",
+    '# any number of VMs), or use sharing = "units", where 2 units give two devices and one /dev/kvm.',
+)

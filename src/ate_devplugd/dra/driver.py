@@ -25,7 +25,8 @@ from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from ate_devplugd.config import ConfigError
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.pools import DraResource, build_pools
+from ate_devplugd.dra.metrics import DraMetrics
+from ate_devplugd.dra.pools import DraResource, build_pools, devices_text
 from ate_devplugd.dra.prepare import Preparer
 from ate_devplugd.dra.service import (
     DraPluginV1,
@@ -60,7 +61,7 @@ class DraStatus:
     def __str__(self) -> str:
         if self.slices is SliceState.PUBLISHED:
             slices = (
-                f"slice published ({self.devices} device{'' if self.devices == 1 else 's'})"
+                f"slice published ({devices_text(self.devices)})"
                 if self.devices
                 else "slice published (no device present)"
             )
@@ -85,6 +86,7 @@ class DraDriver:
         load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
         backoff: tuple[float, float] = (0.5, 30.0),
         on_status: Callable[[DraStatus], None] | None = None,
+        metrics: DraMetrics | None = None,
     ) -> None:
         pools, errors = build_pools(config, resources)
         if errors:
@@ -92,13 +94,21 @@ class DraDriver:
         self.config = config
         self.pools = pools
         self._on_status = on_status
+        self.metrics = metrics or DraMetrics(config.driver, config.sharing, [p.resource for p in pools])
         self.kubelet = KubeletState.STOPPED
         self._kubelet_detail = ""
         self.publisher = SlicePublisher(
-            config, pools, load_credentials=load_credentials, backoff=backoff, on_change=self._notify
+            config,
+            pools,
+            load_credentials=load_credentials,
+            backoff=backoff,
+            on_change=self._notify,
+            metrics=self.metrics,
         )
         self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False))
-        self.preparer = Preparer(config.driver, pools, lambda: self.publisher.client, self.publisher.present)
+        self.preparer = Preparer(
+            config.driver, pools, lambda: self.publisher.client, self.publisher.present, self.metrics
+        )
         self._plugin = UnixServer(config.plugin_socket, self._add_plugin_services)
         self._registration = UnixServer(config.registration_socket, self._add_registration_service)
         self._publisher_task: asyncio.Task[None] | None = None
@@ -179,6 +189,7 @@ class DraDriver:
         self._notify()
 
     def _registration_status(self, registered: bool, error: str) -> None:
+        self.metrics.registration(registered)
         if registered:
             self.kubelet = KubeletState.REGISTERED
             self._kubelet_detail = ""

@@ -5,6 +5,11 @@
 - only for credentials that are not kubelet's own: a ClusterRole and its binding for the driver's
   service account, and a ValidatingAdmissionPolicy that lets such a credential write only the
   ResourceSlices of the node its token is bound to (node-bound service-account tokens).
+
+Every name is one the apiserver takes for its kind: the policy, its binding and ``spec.policyName``
+must be DNS subdomains (no ``:``, which RBAC names allow), so all four objects share the subdomain
+``ate-devplugd.<driver>``. The policy and its binding come before the RBAC that grants the writes it
+confines, so an applier that stops at the first refusal never creates the grant alone.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from ate_devplugd.dra.pools import API_VERSION, RESOURCE_ATTRIBUTE, class_name
 
 SERVICE_ACCOUNT = ("ate-devplugd", "ate-devplugd")  # namespace, name
 _NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+
+
+def access_name(config: DraConfig) -> str:
+    """The name of the ClusterRole, the policy and their bindings: a DNS subdomain, valid for all four."""
+    return f"ate-devplugd.{config.driver}"
 
 
 def device_class(config: DraConfig, resource: str) -> dict[str, Any]:
@@ -37,19 +47,18 @@ def device_class(config: DraConfig, resource: str) -> dict[str, Any]:
 def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE_ACCOUNT) -> list[dict[str, Any]]:
     """RBAC and the admission policy for a service-account credential (kubelet's needs neither)."""
     namespace, name = service_account
-    role = f"ate-devplugd:{config.driver}"
+    role = access_name(config)
     user = f"system:serviceaccount:{namespace}:{name}"
     verbs_slices = ["get", "list", "watch", "create", "update", "patch", "delete"]
-    return [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace}},
+    grant = [
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRole",
             "metadata": {"name": role},
             "rules": [
                 {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
-                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+                # list and watch: the driver follows its Node until kubelet has created it
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
                 {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": verbs_slices},
             ],
         },
@@ -60,6 +69,10 @@ def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
         },
+    ]
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace}},
         {
             "apiVersion": "admissionregistration.k8s.io/v1",
             "kind": "ValidatingAdmissionPolicy",
@@ -111,6 +124,7 @@ def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE
             "metadata": {"name": role},
             "spec": {"policyName": role, "validationActions": ["Deny"]},
         },
+        *grant,  # after the policy that confines it
     ]
 
 
@@ -121,8 +135,8 @@ def render(config: DraConfig, resources: Sequence[str], *, with_access: bool = T
     text += yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True, width=4096)
     if with_access:
         text += (
-            "# Only for a kubeconfig that is not kubelet's own: RBAC for the driver's service account, and an\n"
-            "# admission policy that limits a node-bound token to its own node's ResourceSlices.\n"
+            "# Only for a kubeconfig that is not kubelet's own: an admission policy that limits a node-bound\n"
+            "# token to its own node's ResourceSlices, then the RBAC for the driver's service account.\n"
         )
         text += yaml.safe_dump_all(access_objects(config), sort_keys=False, explicit_start=True, width=4096)
     return text

@@ -5,6 +5,11 @@ once the CDI specs are written (DRA hands devices to containers only through CDI
 look at a device whether the device is healthy, shows its status, and stops it. The set of resources
 and the ``[dra]`` table are read at start; a reload applies the device tables (their CDI specs, and
 the CDI device a claim is prepared with) and says that a changed resource set takes a restart.
+
+It also keeps the daemon's per-resource gauges true for DRA mode, from state, after each look and each
+status change of the driver: registered = kubelet holds the driver's registration; advertised units =
+the devices in the resource's published slice (healthy units the same, while the device is healthy).
+DRA's own series come from ``dra.metrics.DraMetrics``, rendered with the daemon's.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from collections.abc import Callable
 from ate_devplugd.cdi import qualified_name
 from ate_devplugd.devices import DeviceRegistry, Resource
 from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.driver import DraDriver, DraStatus
+from ate_devplugd.dra.driver import DraDriver, DraStatus, KubeletState
+from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.logs import EventLog
+from ate_devplugd.metrics import Metrics
 
 log = logging.getLogger("ate_devplugd")
 
@@ -25,9 +32,12 @@ log = logging.getLogger("ate_devplugd")
 class DraMode:
     """The DRA driver of this node, fed by the device registry."""
 
-    def __init__(self, config: DraConfig, registry: DeviceRegistry, on_state: Callable[[], None]) -> None:
+    def __init__(
+        self, config: DraConfig, registry: DeviceRegistry, metrics: Metrics, on_state: Callable[[], None]
+    ) -> None:
         self._config = config
         self._registry = registry
+        self._metrics = metrics
         self._on_state = on_state
         self._driver: DraDriver | None = None
 
@@ -43,7 +53,9 @@ class DraMode:
             return
         resources = [self._registry.resources[name] for name in names]
         offered = [DraResource(r.name, qualified_name(r.config)) for r in resources]
-        self._driver = DraDriver(self._config, offered, on_status=self._status_changed)
+        dra_metrics = DraMetrics(self._config.driver, self._config.sharing, names, shared=self._metrics)
+        self._driver = DraDriver(self._config, offered, on_status=self._status_changed, metrics=dra_metrics)
+        self._metrics.add_source(dra_metrics)
         for resource in resources:
             self.looked(resource)
         await self._driver.start()
@@ -66,9 +78,25 @@ class DraMode:
         if self._driver is not None and resource.name in self._driver.publisher.present:
             self._driver.set_cdi_id(resource.name, qualified_name(resource.config))
             self._driver.set_health(resource.name, resource.healthy)
+        self._update_metrics()
 
     def status_line(self) -> str:
         return str(self._driver.status()) if self._driver is not None else "dra: starting"
 
     def _status_changed(self, status: DraStatus) -> None:
+        self._update_metrics()
         self._on_state()
+
+    def _update_metrics(self) -> None:
+        """The shared gauges from the registry and the driver's state (see the module doc)."""
+        driver = self._driver
+        published = driver.publisher.published if driver is not None else {}
+        registered = driver is not None and driver.kubelet is KubeletState.REGISTERED
+        for name, resource in self._registry.resources.items():
+            self._metrics.set_device(
+                name,
+                present=resource.presence.present,
+                healthy=resource.healthy,
+                advertised_units=published.get(name, 0),
+            )
+            self._metrics.set_registered(name, registered and name in published)

@@ -97,6 +97,11 @@ def build_pools(config: DraConfig, resources: Sequence[DraResource]) -> tuple[li
     return pools, errors
 
 
+def devices_text(count: int) -> str:
+    """``1 device``, ``128 devices``: a count of devices as the logs and STATUS say it."""
+    return f"{count} device" if count == 1 else f"{count} devices"
+
+
 def device_entries(pool: Pool, present: bool) -> list[dict[str, Any]]:
     """The ``spec.devices`` of the pool's slice: none while its device node is absent."""
     if not present:

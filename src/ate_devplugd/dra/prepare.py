@@ -9,16 +9,32 @@ lock serialises them, as kubelet expects of a driver.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
 
+if TYPE_CHECKING:
+    from ate_devplugd.dra.metrics import DraMetrics
+
 log = logging.getLogger(__name__)
+
+
+class ClaimProblem(enum.Enum):
+    """Why a claim could not be prepared (the ``reason`` of the prepare error counter)."""
+
+    NOT_FOUND = "not_found"
+    NOT_ALLOCATED = "not_allocated"
+    UID_MISMATCH = "uid_mismatch"
+    API = "api_error"  # the claim could not be read: no session yet, refused, unreachable
+    UNKNOWN_DEVICE = "unknown_device"  # a pool or device this node does not serve
+    DEVICE_ABSENT = "device_absent"
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,10 @@ class PrepareResult:
 class ClaimError(Exception):
     """This one claim cannot be prepared; kubelet is told why and asks again later."""
 
+    def __init__(self, problem: ClaimProblem, message: str) -> None:
+        super().__init__(message)
+        self.problem = problem
+
 
 class Preparer:
     """Prepares claims against the current pools; ``present`` tells which resources' devices exist."""
@@ -59,11 +79,13 @@ class Preparer:
         pool_list: Sequence[Pool],
         client: Callable[[], ApiClient | None],
         present: Mapping[str, bool],
+        metrics: DraMetrics,
     ) -> None:
         self._driver = driver
         self._pools = {pool.name: pool for pool in pool_list}
         self._client = client
         self._present = present
+        self._metrics = metrics
         self._lock = asyncio.Lock()
 
     def set_cdi_id(self, resource: str, cdi_id: str) -> bool:
@@ -75,15 +97,18 @@ class Preparer:
         return False
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        started = time.monotonic()
         async with self._lock:
             results = await asyncio.gather(*(self._prepare_one(claim) for claim in claims))
+        self._metrics.prepare_call(time.monotonic() - started)
         return {claim.uid: result for claim, result in zip(claims, results, strict=True)}
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         """Nothing was set up per claim (the CDI spec is per resource): every claim succeeds."""
         async with self._lock:
             for claim in claims:
-                log.debug("dra: unprepared claim %s (uid %s)", claim, claim.uid)
+                EventLog(log).info("dra-unprepare", "dra: unprepared claim %s (uid %s)", claim, claim.uid)
+            self._metrics.claims_unprepared(len(claims))
             return {claim.uid: "" for claim in claims}
 
     async def _prepare_one(self, claim: ClaimRef) -> PrepareResult:
@@ -91,29 +116,33 @@ class Preparer:
             devices = tuple(await self._devices(claim))
         except ClaimError as exc:
             EventLog(log).warning("dra-prepare", "dra: cannot prepare claim %s: %s", claim, exc)
+            self._metrics.claim_failed(exc.problem)
             return PrepareResult(error=f"claim {claim}: {exc}")
         names = ", ".join(f"{d.pool_name}/{d.device_name}" for d in devices) or "no device of this driver"
         EventLog(log).info("dra-prepare", "dra: prepared claim %s: %s", claim, names)
+        self._metrics.claim_prepared(self._pools[d.pool_name].resource for d in devices)
         return PrepareResult(devices=devices)
 
     async def _devices(self, claim: ClaimRef) -> list[PreparedDevice]:
         client = self._client()
         if client is None:
-            raise ClaimError("the API server is not reachable yet")
+            raise ClaimError(ClaimProblem.API, "the API server is not reachable yet")
         try:
             obj = await client.request("GET", claim_path(claim.namespace, claim.name))
         except ApiError as exc:
             if exc.status == 404:
-                raise ClaimError("not found") from None
-            raise ClaimError(f"cannot read it: {exc}") from None
+                raise ClaimError(ClaimProblem.NOT_FOUND, "not found") from None
+            raise ClaimError(ClaimProblem.API, f"cannot read it: {exc}") from None
         except ApiUnavailable as exc:
-            raise ClaimError(f"cannot read it: {exc}") from None
+            raise ClaimError(ClaimProblem.API, f"cannot read it: {exc}") from None
         uid = obj.get("metadata", {}).get("uid")
         if uid != claim.uid:
-            raise ClaimError(f"its uid is {uid!r}, not {claim.uid!r} (deleted and created again?)")
+            raise ClaimError(
+                ClaimProblem.UID_MISMATCH, f"its uid is {uid!r}, not {claim.uid!r} (deleted and created again?)"
+            )
         allocation = (obj.get("status") or {}).get("allocation")
         if not allocation:
-            raise ClaimError("not allocated")
+            raise ClaimError(ClaimProblem.NOT_ALLOCATED, "not allocated")
         results = (allocation.get("devices") or {}).get("results") or []
         return [self._device(result) for result in results if result.get("driver") == self._driver]
 
@@ -121,11 +150,11 @@ class Preparer:
         pool = self._pools.get(str(result.get("pool", "")))
         device = str(result.get("device", ""))
         if pool is None:
-            raise ClaimError(f"pool {result.get('pool')!r} is not served on this node")
+            raise ClaimError(ClaimProblem.UNKNOWN_DEVICE, f"pool {result.get('pool')!r} is not served on this node")
         if device not in pool.devices:
-            raise ClaimError(f"device {device!r} is not in pool {pool.name}")
+            raise ClaimError(ClaimProblem.UNKNOWN_DEVICE, f"device {device!r} is not in pool {pool.name}")
         if not self._present.get(pool.resource, False):
-            raise ClaimError(f"the device of {pool.resource} is absent on this node")
+            raise ClaimError(ClaimProblem.DEVICE_ABSENT, f"the device of {pool.resource} is absent on this node")
         share_id = result.get("shareID")
         return PreparedDevice(
             request_names=(str(result.get("request", "")),),

@@ -1,11 +1,16 @@
 """Publish this node's ResourceSlices and keep them published.
 
-One session = fresh credentials (the kubeconfig read again), the Node's uid, a list of the driver's
-slices on this node, then a watch from that list's resourceVersion beside a reconciler. Kubelet deletes
-the slices at its start and after a 30 s driver outage, and the garbage collector deletes them with a
-recreated Node: each deletion arrives on the watch and the reconciler writes the pool again at once.
+One session = fresh credentials (the kubeconfig read again), the Node's uid (waiting on a watch while
+the Node does not exist yet: ``node.py``), a list of the driver's slices on this node, then a watch
+from that list's resourceVersion beside a reconciler. Kubelet deletes the slices at its start and
+after a 30 s driver outage, and the garbage collector deletes them with a recreated Node: each
+deletion arrives on the watch and the reconciler writes the pool again at once.
+
 Any failure ends the session; the next one starts after a back-off (a broken kubeconfig is reported
-once, then retried quietly).
+once, then retried quietly). When the API server could not be reached (or answered 5xx while it
+starts), the back-off stays at about a second, jittered, so the node is back about a second after the
+API server is and a fleet does not come back in step; an answer that refuses (401, 403, 422) backs
+off to 30 s. The first session that works again after failures says so once, at info.
 """
 
 from __future__ import annotations
@@ -13,16 +18,20 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ate_devplugd.dra import kubeconfig, pools
-from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, node_path, slice_path
+from ate_devplugd.dra import kubeconfig, node, pools
+from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
 from ate_devplugd.session import Backoff
+
+if TYPE_CHECKING:
+    from ate_devplugd.dra.metrics import DraMetrics
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +40,36 @@ log = logging.getLogger(__name__)
 GRAPH_LAG = 10.0
 #: Watches are renewed this often, which also re-reads the credentials (kubelet rotates its certificate).
 WATCH_SECONDS = 600
+#: After a session failed for want of the API server, the next one starts at most this long later:
+#: half to all of it, at random (see ``reconnect_delay``).
+RECONNECT_SECONDS = 1.0
+
+
+def reconnect_delay(delay: float, uniform: Callable[[float, float], float] = random.uniform) -> float:
+    """The back-off ``delay`` while the API server is away: at most RECONNECT_SECONDS, and jittered."""
+    return uniform(0.5, 1.0) * min(delay, RECONNECT_SECONDS)
+
+
+def _unreachable(exc: ApiError | ApiUnavailable) -> bool:
+    """Whether the API server was away (no answer, or a 5xx while it starts), not refusing us."""
+    return isinstance(exc, ApiUnavailable) or exc.status >= 500
+
+
+class PublishReason(enum.Enum):
+    """Why a slice was written (the ``reason`` of the slice publish counter)."""
+
+    CREATED = "created"  # none was there: the first start, or a start after kubelet expired it
+    REPUBLISHED = "republished"  # someone else deleted it while the driver ran (kubelet's start, a new Node)
+    UPDATED = "updated"  # the stored one differed: the device vanished or returned, another owner, ...
 
 
 class SliceState(enum.Enum):
     WAITING = "waiting"
+    #: The Node does not exist yet (kubelet creates it at its first start); ``detail`` names it.
+    WAITING_FOR_NODE = "waiting for their Node"
     PUBLISHED = "published"
+    #: Someone else deleted a slice (kubelet's start, its 30 s driver grace, a recreated Node).
+    REPUBLISHING = "deleted, publishing again"
     KUBECONFIG_ERROR = "kubeconfig error"
     API_ERROR = "API server error"
 
@@ -55,12 +89,14 @@ class SlicePublisher:
         load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
         backoff: tuple[float, float] = (0.5, 30.0),
         on_change: Callable[[], None] | None = None,
+        metrics: DraMetrics | None = None,
     ) -> None:
         self.config = config
         self.pools = list(pool_list)
         self._load = load_credentials
         self._backoff = backoff
         self._on_change = on_change
+        self._metrics = metrics
         self.present = {pool.resource: True for pool in self.pools}
         self.state = SliceState.WAITING
         self.detail = ""
@@ -74,13 +110,23 @@ class SlicePublisher:
         self._created: dict[str, float] = {}
         self._deleted: set[str] = set()
         self._deleting: set[str] = set()
+        #: Pools whose slice was written or adopted and said so (an adoption is said once per pool).
+        self._announced: set[str] = set()
         self._resource_version = ""
-        self._shown: tuple[SliceState, str, int, bool] = (self.state, "", 0, False)
+        self._shown: tuple[SliceState, str, tuple[int, ...], bool] = (self.state, "", (), False)
+        #: When the sessions began to fail (monotonic), until one works again.
+        self._failing_since: float | None = None
 
     @property
     def published_devices(self) -> int:
+        """Devices in the stored slices of every pool."""
+        return sum(self.published.values())
+
+    @property
+    def published(self) -> dict[str, int]:
+        """Devices in the stored slice of each resource's pool (0 while it has none)."""
         by_pool = {pools.pool_of(obj)[0]: obj for obj in self._slices.values()}
-        return sum(_count(by_pool[p.name]) for p in self.pools if p.name in by_pool)
+        return {p.resource: _count(by_pool[p.name]) if p.name in by_pool else 0 for p in self.pools}
 
     def set_present(self, resource: str, present: bool) -> None:
         """The resource's device node appeared or vanished: its pool is written again."""
@@ -89,9 +135,12 @@ class SlicePublisher:
             self._wake.set()
 
     def _set_state(self, state: SliceState, detail: str = "") -> None:
-        """Record the state; tell the owner when anything it shows changed (state, detail, counts)."""
+        """Record the state; tell the owner when anything it shows changed (state, detail, counts).
+
+        Called after every change to what the owner shows, the stored slices included: what was last
+        shown is only a de-duplication, and must follow each of them, deletions too."""
         self.state, self.detail = state, detail
-        shown = (state, detail, self.published_devices, self.sharing_dropped)
+        shown = (state, detail, tuple(self.published.values()), self.sharing_dropped)
         if shown != self._shown:
             self._shown = shown
             if self._on_change is not None:
@@ -105,7 +154,7 @@ class SlicePublisher:
             self._published = False
             try:
                 await self._session()
-            except _Expired:
+            except (_Expired, node.NodeWatchExpired):
                 continue
             except kubeconfig.KubeconfigError as exc:
                 message = str(exc)
@@ -122,8 +171,10 @@ class SlicePublisher:
                     backoff.reset()
                     reported = ""
                 delay = backoff.next()
+                if _unreachable(exc):
+                    delay = reconnect_delay(delay)
                 level = logging.DEBUG if message == reported else logging.WARNING
-                log.log(level, "dra: API server: %s (retrying in %.2f s)", message, delay)
+                EventLog(log).log(level, "dra-api-error", "dra: API server: %s (retrying in %.2f s)", message, delay)
                 reported = message
                 self._set_state(SliceState.API_ERROR, message)
             except Exception:  # the one boundary of this supervised task: log, back off, retry
@@ -131,10 +182,14 @@ class SlicePublisher:
                 log.exception("dra: the slice publisher failed (retrying in %.2f s)", delay)
                 reported = ""
                 self._set_state(SliceState.API_ERROR, "internal error (see the log)")
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
             await asyncio.sleep(delay)  # back-off between failed sessions, not a poll
 
     async def _session(self) -> None:
-        client = ApiClient(self._load(self.config.kubeconfig))
+        client = ApiClient(
+            self._load(self.config.kubeconfig), self._metrics.api_error if self._metrics is not None else None
+        )
         self.client = client
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -161,8 +216,13 @@ class SlicePublisher:
                 await client.close()
 
     async def _refresh_node(self, client: ApiClient) -> None:
-        node = await client.request("GET", node_path(self.config.node_name))
-        self._node_uid = str(node.get("metadata", {}).get("uid", ""))
+        """The Node's uid, waiting on a watch while the Node does not exist."""
+        self._node_uid = await node.node_uid(
+            client, self.config.node_name, watch_seconds=WATCH_SECONDS, on_waiting=self._waiting_for_node
+        )
+
+    def _waiting_for_node(self) -> None:
+        self._set_state(SliceState.WAITING_FOR_NODE, self.config.node_name)
 
     async def _watch(self, client: ApiClient, selector: str) -> None:
         params = {
@@ -185,6 +245,7 @@ class SlicePublisher:
                 raise _Expired
             raise ApiUnavailable(f"watch: {obj.get('code')} {obj.get('reason', '')}: {obj.get('message', '')}")
         self._resource_version = str(meta.get("resourceVersion", self._resource_version))
+        state, detail = self.state, self.detail
         if kind in ("ADDED", "MODIFIED"):
             self._slices[meta["name"]] = obj
             self._wake.set()
@@ -192,7 +253,9 @@ class SlicePublisher:
             self._slices.pop(meta.get("name", ""), None)
             if meta.get("name") not in self._deleting:
                 self._deleted.add(pools.pool_of(obj)[0])
+                state, detail = SliceState.REPUBLISHING, ""
             self._wake.set()
+        self._set_state(state, detail)
 
     async def _reconcile_forever(self, client: ApiClient) -> None:
         while True:
@@ -200,6 +263,13 @@ class SlicePublisher:
             await self._reconcile(client)
             self._published = True
             self._set_state(SliceState.PUBLISHED, "")
+            if self._failing_since is not None:
+                EventLog(log).info(
+                    "dra-api-back",
+                    "dra: the API server session is back after %.1f s of failed attempts; slices published",
+                    time.monotonic() - self._failing_since,
+                )
+                self._failing_since = None
             await self._wake.wait()
 
     async def _reconcile(self, client: ApiClient) -> None:
@@ -221,6 +291,16 @@ class SlicePublisher:
                 obj, self.config, pool, present, self._node_uid, ignore_sharing=self.sharing_dropped
             ):
                 await self._update(client, pool, obj, present)
+            elif pool.name not in self._announced:  # a restart inside kubelet's 30 s grace: kept as it is
+                self._announced.add(pool.name)
+                _event(
+                    "dra-slice-adopted",
+                    pool,
+                    "dra: slice %s for pool %s is already published as it should be (%s); kept",
+                    obj["metadata"]["name"],
+                    pool.name,
+                    pools.devices_text(_count(obj)),
+                )
         for stale in by_pool.values():  # pools we no longer serve
             for obj in stale:
                 await self._delete(client, obj)
@@ -244,7 +324,10 @@ class SlicePublisher:
         self._check_stored(pool, stored)
         event = "dra-slice-republished" if republish else "dra-slice-published"
         what = "published again after it was deleted" if republish else "published"
-        _event(event, pool, "dra: slice %s for pool %s %s (%d devices)", name, pool.name, what, _count(stored))
+        self._written(pool, PublishReason.REPUBLISHED if republish else PublishReason.CREATED)
+        _event(
+            event, pool, "dra: slice %s for pool %s %s (%s)", name, pool.name, what, pools.devices_text(_count(stored))
+        )
 
     async def _update(self, client: ApiClient, pool: Pool, obj: dict[str, Any], present: bool) -> None:
         name = obj["metadata"]["name"]
@@ -254,14 +337,20 @@ class SlicePublisher:
         stored = await self._retry_forbidden(name, lambda: client.request("PUT", slice_path(name), body))
         self._slices[name] = stored
         self._check_stored(pool, stored)
+        self._written(pool, PublishReason.UPDATED)
         _event(
             "dra-slice-published",
             pool,
-            "dra: slice %s for pool %s updated (%d devices)",
+            "dra: slice %s for pool %s updated (%s)",
             name,
             pool.name,
-            _count(stored),
+            pools.devices_text(_count(stored)),
         )
+
+    def _written(self, pool: Pool, reason: PublishReason) -> None:
+        self._announced.add(pool.name)
+        if self._metrics is not None:
+            self._metrics.slice_written(pool.resource, reason)
 
     async def _delete(self, client: ApiClient, obj: dict[str, Any]) -> None:
         name = obj["metadata"]["name"]

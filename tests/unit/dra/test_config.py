@@ -45,6 +45,15 @@ class TestDefaults:
         again, errors = parse(config.render(cfg))
         assert errors == [] and again == cfg
 
+    def test_shared_says_a_request_for_two_is_never_scheduled(self) -> None:
+        """check-config's output for shared mode says that a pod asking for 2 units stays Pending; units
+        mode says nothing of it."""
+        shared, _ = parse('[dra]\nsharing = "shared"\nnode_name = "n1"\n')
+        text = config.render(shared)
+        assert "ate.dev/kvm: 2) stays Pending" in text and "ask for 1" in text
+        units, _ = parse('[dra]\nnode_name = "n1"\n')
+        assert "Pending" not in config.render(units)
+
 
 class TestErrors:
     @pytest.mark.parametrize(

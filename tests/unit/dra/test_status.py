@@ -21,6 +21,10 @@ class TestStatus:
                 "dra: waiting for kubelet, slice published (no device present)",
             ),
             (
+                DraStatus(KubeletState.REGISTERED, SliceState.REPUBLISHING, 0),
+                "dra: registered with kubelet, slices deleted, publishing again",
+            ),
+            (
                 DraStatus(KubeletState.REGISTERED, SliceState.KUBECONFIG_ERROR, 0, detail="/kc: cannot read"),
                 "dra: registered with kubelet, slices kubeconfig error: /kc: cannot read",
             ),

@@ -1,0 +1,158 @@
+"""DRA mode's own metrics, and the shared per-resource counters its events stand for.
+
+DRA mode has no Register, Allocate or ListAndWatch; what an operator of it watches is kubelet's
+prepares and unprepares, the slice writes and the API server. This module keeps those series
+(``ate_devplugd_dra_*``) and renders them after the daemon's own (``Metrics.add_source``), and turns
+DRA's events into the shared counters that mean the same in both modes: a claim prepared with a
+device of a resource is an allocation of it, and kubelet's registration notice a registration (or a
+failed one). The shared gauges (registered, advertised and healthy units) are state, set by
+``mode.DraMode`` from the driver's status.
+
+Every series exists from the start, counters at 0 for each label value they can take, so the first
+error shows in ``increase()``; all label values are enums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from ate_devplugd.dra.apiclient import ApiErrorKind
+from ate_devplugd.dra.prepare import ClaimProblem
+from ate_devplugd.dra.slices import PublishReason
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from ate_devplugd.metrics import Metrics
+
+PREFIX = "ate_devplugd_dra_"
+#: Upper bounds (seconds) of the prepare latency histogram: kubelet measures 25-30 ms for a prepare of
+#: this driver, and gives each call 45 s.
+PREPARE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 45.0)
+
+
+class DraMetrics:
+    """Counts DRA mode's events; ``shared`` (the daemon's Metrics, if any) gets the shared counters."""
+
+    def __init__(self, driver: str, sharing: str, resources: Sequence[str] = (), shared: Metrics | None = None) -> None:
+        self.driver = driver
+        self.sharing = sharing
+        self.resources = tuple(resources)
+        self._shared = shared
+        #: Called after each change (the daemon's Metrics sets it when the source is added).
+        self.on_change: Callable[[], None] | None = None
+        self.prepares = 0
+        self.unprepares = 0
+        self.prepare_errors = dict.fromkeys(ClaimProblem, 0)
+        self.publishes = {(r, reason): 0 for r in self.resources for reason in PublishReason}
+        self.api_errors = dict.fromkeys(ApiErrorKind, 0)
+        self._prepare_buckets = [0] * len(PREPARE_BUCKETS)
+        self._prepare_calls = 0
+        self._prepare_seconds = 0.0
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    # -- events ----------------------------------------------------------------------------------------
+    def claim_prepared(self, resources: Iterable[str]) -> None:
+        """A claim prepared: one allocation of each resource it got a device of."""
+        self.prepares += 1
+        if self._shared is not None:
+            for resource in sorted(set(resources)):
+                self._shared.allocation(resource)
+        self._changed()
+
+    def claim_failed(self, problem: ClaimProblem) -> None:
+        self.prepare_errors[problem] += 1
+        self._changed()
+
+    def prepare_call(self, seconds: float) -> None:
+        """One NodePrepareResources call answered after ``seconds``."""
+        self._prepare_calls += 1
+        self._prepare_seconds += seconds
+        for i, bound in enumerate(PREPARE_BUCKETS):
+            if seconds <= bound:
+                self._prepare_buckets[i] += 1
+                break
+        self._changed()
+
+    def claims_unprepared(self, count: int) -> None:
+        if count:
+            self.unprepares += count
+            self._changed()
+
+    def slice_written(self, resource: str, reason: PublishReason) -> None:
+        key = (resource, reason)
+        self.publishes[key] = self.publishes.get(key, 0) + 1
+        self._changed()
+
+    def api_error(self, kind: ApiErrorKind) -> None:
+        self.api_errors[kind] += 1
+        self._changed()
+
+    def registration(self, accepted: bool) -> None:
+        """kubelet's notice: it took the driver (a registration of every resource) or refused it."""
+        if self._shared is not None:
+            for resource in self.resources:
+                if accepted:
+                    self._shared.registration(resource)
+                else:
+                    self._shared.register_failure(resource)
+
+    # -- exposition ------------------------------------------------------------------------------------
+    def families(self) -> Iterator[Metric]:
+        from prometheus_client.core import (  # noqa: PLC0415 - at the first render, as in metrics.py
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        info = GaugeMetricFamily(
+            PREFIX + "info", "Always 1 in DRA mode; the driver name and its sharing.", labels=["driver", "sharing"]
+        )
+        info.add_metric([self.driver, self.sharing], 1)
+        yield info
+        for name, doc, labels, counts in (
+            ("prepares", "Claims prepared for kubelet (NodePrepareResources).", [], {(): self.prepares}),
+            ("unprepares", "Claims unprepared for kubelet (NodeUnprepareResources).", [], {(): self.unprepares}),
+            (
+                "prepare_errors",
+                "Claims that could not be prepared, by reason.",
+                ["reason"],
+                {(problem.value,): count for problem, count in self.prepare_errors.items()},
+            ),
+            (
+                "slice_publishes",
+                "ResourceSlice writes, by resource and reason (created, republished, updated).",
+                ["resource", "reason"],
+                {(resource, reason.value): count for (resource, reason), count in self.publishes.items()},
+            ),
+            (
+                "api_errors",
+                "API server calls that failed, by what the server answered.",
+                ["reason"],
+                {(kind.value,): count for kind, count in self.api_errors.items()},
+            ),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for values, count in counts.items():
+                family.add_metric(list(values), count)
+            yield family
+        cumulative, buckets = 0, []
+        for bound, count in zip(PREPARE_BUCKETS, self._prepare_buckets, strict=True):
+            cumulative += count
+            buckets.append((_le(bound), cumulative))
+        buckets.append(("+Inf", self._prepare_calls))
+        yield HistogramMetricFamily(
+            PREFIX + "prepare_duration_seconds",
+            "Time to answer a NodePrepareResources call (every claim in it read from the API server).",
+            buckets=buckets,
+            sum_value=self._prepare_seconds,
+        )
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as Prometheus writes it (``0.005``, ``1.0``)."""
+    return repr(float(bound))

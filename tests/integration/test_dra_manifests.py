@@ -1,0 +1,148 @@
+"""``ate-devplugd dra-manifests`` applied, as ``kubectl apply -f -`` would, to the fake API server with
+the apiserver's name rules (tests/fakes/apivalidation.py says which it took): every object of both
+variants is created, and the rules refuse what the real apiserver refused."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import pytest
+import yaml
+
+from ate_devplugd.dra import manifests
+from ate_devplugd.dra.config import DraConfig
+from tests.fakes.apiserver import FakeApiServer, collection_path
+
+ADMIN = "admin-t0ken"
+NODE_TOKEN = "node-t0ken"
+CONFIG = DraConfig(node_name="node-1")
+RESOURCES = ["ate.dev/kvm", "ate.dev/vhost-net"]
+
+
+def documents(text: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
+
+async def apply(url: str, token: str, docs: list[dict[str, Any]]) -> list[str]:
+    """What ``kubectl apply`` does with a stream: each object in turn created (or replaced if it
+    exists), going on after a refusal; the refusals, one line each (kubectl then exits 1)."""
+    errors: list[str] = []
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for doc in docs:
+            collection = url + collection_path(doc)
+            item = f"{collection}/{quote(doc['metadata']['name'], safe='')}"
+            async with session.get(item) as got:
+                existing = await got.json() if got.status == 200 else None
+            if existing is None:
+                call = session.post(collection, data=json.dumps(doc))
+            else:
+                replaced = {**doc, "metadata": {**doc["metadata"], **_kept(existing["metadata"])}}
+                call = session.put(item, data=json.dumps(replaced))
+            async with call as answer:
+                if answer.status >= 300:
+                    body = await answer.json()
+                    errors.append(f"{doc['kind']} {doc['metadata']['name']}: {answer.status} {body['message']}")
+    return errors
+
+
+def _kept(meta: dict[str, Any]) -> dict[str, Any]:
+    return {key: meta[key] for key in ("resourceVersion", "uid") if key in meta}
+
+
+@contextlib.asynccontextmanager
+async def api_server() -> AsyncIterator[FakeApiServer]:
+    api = FakeApiServer("node-1", token=NODE_TOKEN, admin_token=ADMIN)
+    await api.start()
+    try:
+        yield api
+    finally:
+        await api.stop()
+
+
+class TestApply:
+    @pytest.mark.parametrize("with_access", [True, False], ids=["service-account", "kubelet-credentials"])
+    async def test_every_object_is_created(self, with_access: bool) -> None:
+        """The whole output applies with no refusal, twice (the second time replaces); every object exists,
+        and the binding names the policy and the role that were created."""
+        docs = documents(manifests.render(CONFIG, RESOURCES, with_access=with_access))
+        async with api_server() as api:
+            assert await apply(api.url, ADMIN, docs) == []
+            assert await apply(api.url, ADMIN, docs) == []
+            for doc in docs:
+                meta = doc["metadata"]
+                assert api.created(doc["kind"], meta["name"], meta.get("namespace", "")) is not None, doc
+            kinds = [doc["kind"] for doc in docs]
+            assert kinds.count("DeviceClass") == len(RESOURCES)
+            if with_access:
+                binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
+                assert api.created("ValidatingAdmissionPolicy", binding["spec"]["policyName"]) is not None
+                role_binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
+                assert api.created("ClusterRole", role_binding["roleRef"]["name"]) is not None
+            else:
+                assert set(kinds) == {"DeviceClass"}
+
+    def test_policy_comes_before_the_grant(self) -> None:
+        """The policy and its binding precede the ClusterRole and its binding that grant the writes."""
+        kinds = [doc["kind"] for doc in documents(manifests.render(CONFIG, RESOURCES))]
+        policy = max(kinds.index("ValidatingAdmissionPolicy"), kinds.index("ValidatingAdmissionPolicyBinding"))
+        assert policy < min(kinds.index("ClusterRole"), kinds.index("ClusterRoleBinding")), kinds
+
+    async def test_node_credential_cannot_apply(self) -> None:
+        """The node's own credential may not create cluster objects (the node authorizer)."""
+        docs = documents(manifests.render(CONFIG, RESOURCES, with_access=False))
+        async with api_server() as api:
+            errors = await apply(api.url, NODE_TOKEN, docs)
+        assert len(errors) == len(docs) and all(" 403 " in e for e in errors), errors
+
+
+class TestTheFakeRefusesWhatTheApiserverRefuses:
+    """The rules of the real apiserver (as seen on 1.36.2 and in its validation code), one kind each."""
+
+    @pytest.mark.parametrize(
+        ("kind", "name", "refused"),
+        [
+            ("ValidatingAdmissionPolicy", "ate-devplugd:kvm.ate.dev", "a lowercase RFC 1123 subdomain"),
+            ("ValidatingAdmissionPolicyBinding", "ate-devplugd:kvm.ate.dev", "a lowercase RFC 1123 subdomain"),
+            ("DeviceClass", "Kvm.ate.dev", "a lowercase RFC 1123 subdomain"),
+            ("Namespace", "ate.devplugd", "a lowercase RFC 1123 label"),
+            ("ServiceAccount", "ate_devplugd", "a lowercase RFC 1123 subdomain"),
+            ("ClusterRole", "ate-devplugd/kvm", "may not contain '/'"),
+            ("ClusterRoleBinding", "..", "may not be '..'"),
+            ("ClusterRole", "ate-devplugd:kvm.ate.dev", ""),
+            ("ClusterRoleBinding", "ate-devplugd:kvm.ate.dev", ""),
+        ],
+    )
+    async def test_name_rules(self, kind: str, name: str, refused: str) -> None:
+        """metadata.name is checked with its kind's rule: a colon passes in RBAC names only."""
+        docs = documents(manifests.render(CONFIG, RESOURCES))
+        doc = next(d for d in docs if d["kind"] == kind)
+        doc["metadata"]["name"] = name
+        setup = [d for d in docs if d["kind"] == "Namespace"] if kind == "ServiceAccount" else []
+        async with api_server() as api:
+            errors = await apply(api.url, ADMIN, [*setup, doc])
+        if refused:
+            (error,) = errors
+            assert f'metadata.name: Invalid value: "{name}"' in error and refused in error, error
+        else:
+            assert errors == []
+
+    async def test_policy_name_of_a_binding(self) -> None:
+        """spec.policyName of a binding is a DNS subdomain too."""
+        (doc,) = [d for d in documents(manifests.render(CONFIG, RESOURCES)) if d["kind"].endswith("PolicyBinding")]
+        doc["spec"]["policyName"] = "ate-devplugd:kvm.ate.dev"
+        async with api_server() as api:
+            (error,) = await apply(api.url, ADMIN, [doc])
+        assert 'spec.policyName: Invalid value: "ate-devplugd:kvm.ate.dev"' in error, error
+
+    async def test_service_account_needs_its_namespace(self) -> None:
+        """A ServiceAccount in a namespace that does not exist yet is refused (NamespaceLifecycle)."""
+        (doc,) = [d for d in documents(manifests.render(CONFIG, RESOURCES)) if d["kind"] == "ServiceAccount"]
+        async with api_server() as api:
+            (error,) = await apply(api.url, ADMIN, [doc])
+        assert '404 namespaces "ate-devplugd" not found' in error, error
