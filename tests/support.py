@@ -6,7 +6,9 @@
   standing in for the kernel's device nodes and ``FakeMonitor`` for udev (no root, no /dev/kvm);
 - ``NotifyReceiver``: a real sd_notify socket (read continuously, or left unread to stall);
 - ``EventRecorder``: the daemon's log events, in process;
-- char nodes: ``make_kvm_node`` (a real mknod, root) and ``kvm_uevent`` (a real kernel uevent).
+- char nodes: ``make_kvm_node`` (a real mknod, root) and ``kvm_uevent`` (a real kernel uevent);
+- ``allocated_kvm()``: the daemon on the host's own /dev/kvm with CDI on, and one real Allocate, for the
+  tests that hand its answer to a real container runtime (podman, containerd through CRI).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import errno
+import json
 import logging
 import os
 import signal
@@ -35,7 +39,7 @@ from ate_devplugd.config import Config, DeviceConfig
 from ate_devplugd.daemon import Daemon
 from ate_devplugd.devices import Presence, Resource
 from ate_devplugd.inotify import DirEvent, DirWatcher
-from ate_devplugd.kernel import KernelView, NodeStat
+from ate_devplugd.kernel import KernelView, NodeStat, UdevKernelView
 from ate_devplugd.logs import FIELD_EVENT
 from ate_devplugd.notify import Notifier
 from tests.fakes.kubelet import FakeKubelet
@@ -536,3 +540,45 @@ async def started_kubelet(plugin_dir: Path, **options: Any) -> FakeKubelet:
     kubelet = FakeKubelet(plugin_dir, **options)
     await kubelet.start()
     return kubelet
+
+
+# -- the daemon's answer, for a real container runtime ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KvmAllocation:
+    """What one Allocate of ``ate.dev/kvm`` answered, and the CDI spec directory it refers to."""
+
+    response: api_pb2.ContainerAllocateResponse
+    cdi_dir: Path
+
+    @property
+    def cdi_names(self) -> list[str]:
+        """The fully qualified CDI names (``ate.dev/kvm=kvm``), as kubelet passes them on."""
+        return [c.name for c in self.response.cdi_devices]
+
+    @property
+    def device_specs(self) -> list[api_pb2.DeviceSpec]:
+        return list(self.response.devices)
+
+    def spec(self) -> dict[str, Any]:
+        """The CDI spec the daemon wrote for the resource."""
+        return dict(json.loads((self.cdi_dir / "ate.dev-kvm.json").read_text()))
+
+
+@contextlib.asynccontextmanager
+async def allocated_kvm(tmp_path: Path, **device: Any) -> AsyncIterator[KvmAllocation]:
+    """The daemon on the host's /dev/kvm (the real kernel view) with ``cdi = true``, registered with a fake
+    kubelet, and one real gRPC Allocate of one unit; the daemon keeps running while the block runs, as it
+    does while kubelet creates the container. ``device`` adds ``[[device]]`` keys (``container_mode``, ...)."""
+    plugin_dir = tmp_path / "device-plugins"
+    plugin_dir.mkdir()
+    config = dataclasses.replace(kvm_config(plugin_dir, Path("/"), cdi=True, **device), dev_root="/")
+    kubelet = await started_kubelet(plugin_dir)
+    try:
+        async with daemon_in_process(config, UdevKernelView()):
+            await kubelet.next_event("list")
+            (response,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+            yield KvmAllocation(response, Path(config.cdi_dir))
+    finally:
+        await kubelet.stop()

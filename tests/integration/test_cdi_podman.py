@@ -1,29 +1,29 @@
 """CDI in a real container (podman 4.3.1): a spec grants /dev/kvm to a non-root process, and what podman refuses.
 
 ``TestDaemonWrittenSpec`` runs the daemon and gives podman the spec it wrote and the names its Allocate
-sent. The other specs here are written by hand, as the daemon writes them: one device ``kvm`` of kind
-``ate.dev/kvm``, one character node with its major:minor read from the host, ``rw``, and the
-container-side mode and owner. Each run sees only its own spec directory (tests.podman).
+sent; ``TestGuestBoots`` gives podman the whole Allocate answer (DeviceSpec and CDI name) and boots a
+guest in the container as a non-root user. The other specs here are written by hand, as the daemon
+writes them: one device ``kvm`` of kind ``ate.dev/kvm``, one character node with its major:minor read
+from the host, ``rw``, and the container-side mode and owner. Each run sees only its own spec directory (tests.podman).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ate_devplugd.kernel import UdevKernelView
 from tests.podman import KvmCheck, NodeStat, Podman, PodmanRunError, kvm_spec, write_spec
-from tests.support import RESOURCE, daemon_in_process, kvm_config, started_kubelet
+from tests.support import KvmAllocation, allocated_kvm
 
 DEVICE = "ate.dev/kvm=kvm"
 #: A uid/gid that neither the host nor the image knows: only the node's "other" bits can let it in.
 SANDBOX = (4242, 4242)
+#: The VMM's user in the guest-boot tests: started as this uid:gid, as a pod's runAsUser/runAsGroup.
+VMM_USER = (1000, 1000)
 KVM_API_VERSION = 12
 
 
@@ -151,27 +151,18 @@ class TestDaemonWrittenSpec:
     ) -> tuple[KvmCheck, list[str], dict[str, Any]]:
         """The daemon (real kernel view, the host's /dev/kvm) with cdi = true; one Allocate; the run podman
         makes of its response's CDI names, as a process that dropped to a stranger's uid."""
-        plugin_dir = tmp_path / "device-plugins"
-        plugin_dir.mkdir()
-        config = dataclasses.replace(kvm_config(plugin_dir, Path("/"), cdi=True, **device), dev_root="/")
-        kubelet = await started_kubelet(plugin_dir)
-        try:
-            async with daemon_in_process(config, UdevKernelView()):
-                await kubelet.next_event("list")
-                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
-        finally:
-            await kubelet.stop()
-        names = [c.name for c in cresp.cdi_devices]
-        spec_dir = Path(config.cdi_dir)
-        spec = json.loads((spec_dir / "ate.dev-kvm.json").read_text())
-        check = await podman.run(cdi_devices=names, run_as=SANDBOX, spec_dir=spec_dir)
+        async with allocated_kvm(tmp_path, **device) as allocation:
+            names, spec = allocation.cdi_names, allocation.spec()
+        check = await podman.run(cdi_devices=names, run_as=SANDBOX, spec_dir=allocation.cdi_dir)
         return check, names, spec
 
     async def test_non_root_opens_kvm(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
-        """cdi = true: a process that is not root opens /dev/kvm (0666 in the container) and gets API 12."""
+        """cdi = true: a process that is not root opens /dev/kvm (0666 in the container), gets API 12 and
+        boots the guest."""
         check, names, spec = await self.allocated_run(podman, tmp_path)
         assert names == [DEVICE] and spec["cdiVersion"] == "0.3.0"
         assert check.opened and check.api_version == KVM_API_VERSION, check.raw
+        assert check.guest is not None and check.guest.booted, check.raw
         assert check.node is not None and (check.node.mode, check.node.major, check.node.minor) == (
             0o666,
             host_kvm.major,
@@ -186,3 +177,63 @@ class TestDaemonWrittenSpec:
         )
         assert check.node == host_kvm
         assert check.open_error == "EACCES", check.raw
+
+
+def podman_devices(allocation: KvmAllocation) -> list[str]:
+    """The Allocate answer's DeviceSpecs as podman's ``--device HOST:CONTAINER:PERMISSIONS``."""
+    return [f"{d.host_path}:{d.container_path}:{d.permissions}" for d in allocation.device_specs]
+
+
+class TestGuestBoots:
+    """A VMM started as a non-root user (``--user 1000:1000``, no supplementary groups) runs a guest through
+    exactly what the daemon's Allocate returned, the way kubelet hands it to a runtime: the DeviceSpec and
+    the CDI name, with the daemon's own spec. Take the CDI name away and the same VMM gets EACCES; take
+    both away and there is no node."""
+
+    @staticmethod
+    def assert_vmm_user(check: KvmCheck) -> None:
+        """Started as VMM_USER with no group but its own (podman lists the primary gid as the one
+        supplementary group; the kernel then checks nothing else)."""
+        assert (check.uid, check.gid) == VMM_USER, check.raw
+        assert set(check.groups) <= {VMM_USER[1]}, check.raw
+
+    @staticmethod
+    def host_node_closed(host_kvm: NodeStat) -> None:
+        """The negatives mean something only where the host's node keeps strangers out (0660 root:kvm)."""
+        assert host_kvm.mode & 0o007 == 0, f"the host's /dev/kvm is {host_kvm.mode:#o}: open to every user"
+
+    async def test_vmm_boots_the_guest(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        async with allocated_kvm(tmp_path) as allocation:
+            check = await podman.run(
+                cdi_devices=allocation.cdi_names,
+                devices=podman_devices(allocation),
+                user=f"{VMM_USER[0]}:{VMM_USER[1]}",
+                spec_dir=allocation.cdi_dir,
+            )
+        assert allocation.cdi_names == [DEVICE]
+        self.assert_vmm_user(check)
+        assert check.node is not None and (check.node.mode, check.node.major, check.node.minor) == (
+            0o666,
+            host_kvm.major,
+            host_kvm.minor,
+        ), check.raw
+        assert check.guest is not None, check.raw
+        assert check.guest.booted, check.guest
+        print(f"podman {'.'.join(map(str, podman.version))}: the guest wrote {check.guest.output!r} and halted")
+
+    async def test_device_spec_alone_gets_eacces(self, podman: Podman, tmp_path: Path, host_kvm: NodeStat) -> None:
+        self.host_node_closed(host_kvm)
+        async with allocated_kvm(tmp_path) as allocation:
+            check = await podman.run(
+                devices=podman_devices(allocation), user=f"{VMM_USER[0]}:{VMM_USER[1]}", spec_dir=allocation.cdi_dir
+            )
+        self.assert_vmm_user(check)
+        assert check.node == host_kvm
+        assert check.open_error == "EACCES", check.raw
+        assert check.guest is None
+
+    async def test_no_names_no_node(self, podman: Podman, tmp_path: Path) -> None:
+        async with allocated_kvm(tmp_path) as allocation:
+            check = await podman.run(user=f"{VMM_USER[0]}:{VMM_USER[1]}", spec_dir=allocation.cdi_dir)
+        assert check.node is None and check.stat_errno == errno.ENOENT, check.raw
+        assert check.open_error == "ENOENT" and check.guest is None

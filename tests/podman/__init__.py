@@ -4,7 +4,8 @@ Everything lives in one directory per test session: a ``containers.conf`` (runc,
 fixed ulimits: crun and podman's defaults do not work on these hosts), a throwaway store (``--root``,
 ``--runroot``, ``--tmpdir``, the ``vfs`` driver so no overlay mount outlives a run), and an image made
 here and imported (no registry is reachable): one static program, ``kvmcheck.c``, which prints what the
-container's process sees of a node as one JSON line.
+container's process sees of a node as one JSON line and, when ``/dev/kvm`` opens, boots a tiny guest
+through it (``KVM_CREATE_VM``, one memory slot, one vCPU, ``KVM_RUN``) and reports what the guest wrote.
 
 Podman 4.3.1 reads CDI specs only from ``/etc/cdi`` and ``/var/run/cdi`` (no flag, no containers.conf key).
 So that a test can use the real kind (``ate.dev/kvm``) without touching, or being disturbed by, specs on
@@ -39,6 +40,10 @@ import pytest
 #: Set to 1 where the tests must not skip for want of podman (``make test``).
 REQUIRE_ENV = "ATE_REQUIRE_PODMAN"
 CHECKER_SOURCE = Path(__file__).resolve().parent / "kvmcheck.c"
+#: What the checker's guest writes to its I/O port before it halts (GUEST_TEXT in kvmcheck.c).
+GUEST_TEXT = "kvm guest: hello from real mode\n"
+#: KVM_EXIT_HLT (linux/kvm.h): the guest ran to its ``hlt``.
+KVM_EXIT_HLT = 5
 IMAGE = "localhost/ate-kvmcheck:test"
 #: CDI's directories, as podman 4.3.1 reads them (lowest priority first).
 CDI_DIRS = ("/etc/cdi", "/var/run/cdi")
@@ -126,6 +131,22 @@ class NodeStat:
 
 
 @dataclass(frozen=True)
+class GuestRun:
+    """The checker's tiny VMM: the step that failed (with its errno), or what the guest wrote and how it stopped."""
+
+    failed_step: str | None  # e.g. "KVM_CREATE_VM"; None: every step worked and KVM_RUN ran
+    errno: int
+    exit_reason: int  # the last KVM_EXIT_* (-1: KVM_RUN never returned an exit)
+    exits: int
+    output: str
+
+    @property
+    def booted(self) -> bool:
+        """The guest ran its code to the end: it wrote the whole text and halted."""
+        return self.failed_step is None and self.exit_reason == KVM_EXIT_HLT and self.output == GUEST_TEXT
+
+
+@dataclass(frozen=True)
 class KvmCheck:
     """What the checker saw in the container; ``open_errno`` 0 means the node opened read-write."""
 
@@ -137,6 +158,7 @@ class KvmCheck:
     groups: tuple[int, ...]
     open_errno: int
     api_version: int | None  # KVM_GET_API_VERSION, when the node opened
+    guest: GuestRun | None  # the tiny VMM's run, when KVM_GET_API_VERSION answered
     raw: dict[str, Any]
 
     @property
@@ -155,6 +177,8 @@ class KvmCheck:
             raise ValueError(f"kvmcheck could not drop privileges: {os.strerror(data['drop_errno'])}")
         st = data["stat"]
         rules = data["cgroup_devices"]
+        vm = data["vm"]
+        guest = GuestRun(vm["failed_step"], vm["errno"], vm["exit_reason"], vm["exits"], vm["output"]) if vm else None
         return cls(
             node=NodeStat(st["mode"], st["uid"], st["gid"], st["major"], st["minor"]) if st else None,
             stat_errno=data.get("stat_errno", 0),
@@ -164,6 +188,7 @@ class KvmCheck:
             groups=tuple(data["groups"]),
             open_errno=data["open_errno"],
             api_version=data["api_version"],
+            guest=guest,
             raw=data,
         )
 

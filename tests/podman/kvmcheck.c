@@ -1,12 +1,19 @@
 /*
- * kvmcheck: what a container process sees of a device node, printed as one JSON line.
+ * kvmcheck: what a container process sees of a device node, and whether it can run a VM through it,
+ * printed as one JSON line.
  *
- *   kvmcheck [--as UID:GID] [PATH]        PATH defaults to /dev/kvm
+ *   kvmcheck [--as UID:GID] [--hold] [PATH]        PATH defaults to /dev/kvm
  *
  * In order: stat PATH (as the container's first process sees it), read the container's cgroup v1
  * device rules if they are readable, drop to UID:GID (no supplementary groups) if asked, then open
- * PATH read-write and ask it KVM_GET_API_VERSION. Exit status 0 whenever the JSON line was printed;
- * the verdict is in the line, not in the status.
+ * PATH read-write and ask it KVM_GET_API_VERSION. If that answers, it is a tiny VMM: KVM_CREATE_VM,
+ * one memory slot holding a few real-mode instructions, one vCPU, and KVM_RUN until the guest halts.
+ * The guest writes GUEST_TEXT to I/O port GUEST_PORT one byte at a time and halts; "vm" in the line
+ * says which step failed (with its errno) or what the guest wrote and how it stopped.
+ *
+ * Exit status 0 whenever the JSON line was printed; the verdict is in the line, not in the status.
+ * With --hold the process then waits for SIGTERM or SIGINT (as PID 1 of a container it must catch
+ * them), so that a runtime's view of the running container can be read.
  *
  * Built with `gcc -static` so that an image holding only this file can run it.
  */
@@ -14,15 +21,41 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <linux/kvm.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
-#define KVM_GET_API_VERSION 0xAE00 /* _IO(KVMIO, 0x00) */
+#define GUEST_TEXT "kvm guest: hello from real mode\n"
+#define GUEST_PORT 0x3f8
+/* One page of guest memory at guest-physical GUEST_BASE; the code runs from its start. */
+#define GUEST_BASE 0x1000
+#define GUEST_SIZE 0x1000
+#define TEXT_OFFSET 0x20
+/* A guest that never halts is stopped after this many exits. */
+#define MAX_EXITS 256
+
+/*
+ * 16-bit real-mode code: print the NUL-terminated string at GUEST_BASE + TEXT_OFFSET to GUEST_PORT.
+ *   mov dx, GUEST_PORT; mov si, text; next: lodsb; test al, al; jz done; out dx, al; jmp next; done: hlt
+ */
+static const uint8_t GUEST_CODE[] = {
+    0xba, GUEST_PORT & 0xff, GUEST_PORT >> 8,                                     /* mov dx, imm16 */
+    0xbe, (GUEST_BASE + TEXT_OFFSET) & 0xff, (GUEST_BASE + TEXT_OFFSET) >> 8, /* mov si, imm16 */
+    0xac,                                                                     /* next: lodsb */
+    0x84, 0xc0,                                                               /* test al, al */
+    0x74, 0x03,                                                               /* jz done */
+    0xee,                                                                     /* out dx, al */
+    0xeb, 0xf8,                                                               /* jmp next */
+    0xf4,                                                                     /* done: hlt */
+};
 
 static const char *const CGROUP_DEVICE_LISTS[] = {
     "/sys/fs/cgroup/devices/devices.list",
@@ -36,7 +69,7 @@ static void json_string(const char *s)
         unsigned char c = (unsigned char)*s;
         if (c == '"' || c == '\\')
             printf("\\%c", c);
-        else if (c < 0x20)
+        else if (c < 0x20 || c >= 0x7f)
             printf("\\u%04x", c);
         else
             putchar(c);
@@ -77,10 +110,147 @@ static void print_cgroup_rules(void)
     fclose(f);
 }
 
+struct guest_run {
+    const char *failed_step; /* NULL: every step worked and KVM_RUN ran */
+    int error;               /* errno of the failed step */
+    int exit_reason;         /* the last KVM_EXIT_* seen, -1 before the first */
+    unsigned exits;
+    char output[256];
+    size_t len;
+};
+
+static int fail(struct guest_run *run, const char *step)
+{
+    run->failed_step = step;
+    run->error = errno;
+    return -1;
+}
+
+/* Take one exit of the vCPU: 1 to run again, 0 when the guest is done (halted or stopped). */
+static int take_exit(struct guest_run *run, const struct kvm_run *state)
+{
+    run->exit_reason = (int)state->exit_reason;
+    if (state->exit_reason != KVM_EXIT_IO)
+        return 0;
+    if (state->io.direction != KVM_EXIT_IO_OUT || state->io.port != GUEST_PORT || state->io.size != 1)
+        return 0;
+    const char *data = (const char *)state + state->io.data_offset;
+    for (uint32_t i = 0; i < state->io.count && run->len + 1 < sizeof run->output; i++)
+        run->output[run->len++] = data[i];
+    run->output[run->len] = '\0';
+    return run->exits < MAX_EXITS;
+}
+
+/* The tiny VMM: one VM, one memory slot, one vCPU in real mode, run until it halts. */
+static int run_guest(int kvm, struct guest_run *run)
+{
+    int vm = ioctl(kvm, KVM_CREATE_VM, 0);
+    if (vm < 0)
+        return fail(run, "KVM_CREATE_VM");
+
+    uint8_t *mem = mmap(NULL, GUEST_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED)
+        return fail(run, "mmap guest memory");
+    memcpy(mem, GUEST_CODE, sizeof GUEST_CODE);
+    memcpy(mem + TEXT_OFFSET, GUEST_TEXT, sizeof GUEST_TEXT);
+
+    struct kvm_userspace_memory_region region = {
+        .slot = 0,
+        .guest_phys_addr = GUEST_BASE,
+        .memory_size = GUEST_SIZE,
+        .userspace_addr = (uintptr_t)mem,
+    };
+    if (ioctl(vm, KVM_SET_USER_MEMORY_REGION, &region) < 0)
+        return fail(run, "KVM_SET_USER_MEMORY_REGION");
+
+    int vcpu = ioctl(vm, KVM_CREATE_VCPU, 0);
+    if (vcpu < 0)
+        return fail(run, "KVM_CREATE_VCPU");
+    int size = ioctl(kvm, KVM_GET_VCPU_MMAP_SIZE, 0);
+    if (size < 0)
+        return fail(run, "KVM_GET_VCPU_MMAP_SIZE");
+    struct kvm_run *state = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, vcpu, 0);
+    if (state == MAP_FAILED)
+        return fail(run, "mmap kvm_run");
+
+    /* Real mode with flat segments at 0: the code segment starts where the slot does. */
+    struct kvm_sregs sregs;
+    if (ioctl(vcpu, KVM_GET_SREGS, &sregs) < 0)
+        return fail(run, "KVM_GET_SREGS");
+    sregs.cs.base = 0;
+    sregs.cs.selector = 0;
+    if (ioctl(vcpu, KVM_SET_SREGS, &sregs) < 0)
+        return fail(run, "KVM_SET_SREGS");
+    struct kvm_regs regs = {.rip = GUEST_BASE, .rflags = 0x2};
+    if (ioctl(vcpu, KVM_SET_REGS, &regs) < 0)
+        return fail(run, "KVM_SET_REGS");
+
+    for (;;) {
+        if (ioctl(vcpu, KVM_RUN, 0) < 0) {
+            if (errno == EINTR)
+                continue;
+            return fail(run, "KVM_RUN");
+        }
+        run->exits++;
+        if (!take_exit(run, state))
+            break;
+    }
+    munmap(state, (size_t)size);
+    munmap(mem, GUEST_SIZE);
+    close(vcpu);
+    close(vm);
+    return 0;
+}
+
+static void print_guest_run(int kvm)
+{
+    struct guest_run run = {.exit_reason = -1};
+    run_guest(kvm, &run);
+    printf(",\"vm\":{\"failed_step\":");
+    if (run.failed_step)
+        json_string(run.failed_step);
+    else
+        printf("null");
+    printf(",\"errno\":%d,\"exit_reason\":%d,\"exits\":%u,\"output\":", run.error, run.exit_reason, run.exits);
+    json_string(run.output);
+    putchar('}');
+}
+
+static volatile sig_atomic_t stop_requested;
+
+static void on_stop(int sig)
+{
+    (void)sig;
+    stop_requested = 1;
+}
+
+/* Wait for SIGTERM or SIGINT (blocked outside sigsuspend, so none is lost). */
+static void hold(void)
+{
+    sigset_t block, old;
+    sigemptyset(&block);
+    sigaddset(&block, SIGTERM);
+    sigaddset(&block, SIGINT);
+    sigprocmask(SIG_BLOCK, &block, &old);
+    struct sigaction sa = {.sa_handler = on_stop};
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    while (!stop_requested)
+        sigsuspend(&old);
+}
+
+static int finish(int do_hold)
+{
+    fflush(stdout);
+    if (do_hold)
+        hold();
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *path = "/dev/kvm";
-    int drop = 0;
+    int drop = 0, do_hold = 0;
     unsigned uid = 0, gid = 0;
 
     for (int i = 1; i < argc; i++) {
@@ -90,6 +260,8 @@ int main(int argc, char **argv)
                 return 2;
             }
             drop = 1;
+        } else if (strcmp(argv[i], "--hold") == 0) {
+            do_hold = 1;
         } else {
             path = argv[i];
         }
@@ -113,7 +285,7 @@ int main(int argc, char **argv)
         /* order matters: groups and gid while still privileged, uid last */
         if (setgroups(0, NULL) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
             printf(",\"drop_errno\":%d}\n", errno);
-            return 0;
+            return finish(do_hold);
         }
     }
     putchar(',');
@@ -121,14 +293,17 @@ int main(int argc, char **argv)
 
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) {
-        printf(",\"open_errno\":%d,\"api_version\":null}\n", errno);
-        return 0;
+        printf(",\"open_errno\":%d,\"api_version\":null,\"vm\":null}\n", errno);
+        return finish(do_hold);
     }
     int version = ioctl(fd, KVM_GET_API_VERSION, 0);
-    if (version < 0)
-        printf(",\"open_errno\":0,\"api_version\":null,\"ioctl_errno\":%d}\n", errno);
-    else
-        printf(",\"open_errno\":0,\"api_version\":%d}\n", version);
+    if (version < 0) {
+        printf(",\"open_errno\":0,\"api_version\":null,\"ioctl_errno\":%d,\"vm\":null}\n", errno);
+    } else {
+        printf(",\"open_errno\":0,\"api_version\":%d", version);
+        print_guest_run(fd);
+        printf("}\n");
+    }
     close(fd);
-    return 0;
+    return finish(do_hold);
 }
