@@ -4,12 +4,12 @@
     inplace.py watch LOG DIR...
         Records every change to a file in the DIRs (created, written, attributes, moved in or out,
         deleted) as JSON lines {"t", "dir", "name", "what": [...]} in LOG. Prints "watching" once the
-        watches are in place, then runs until SIGTERM.
+        watches are in place, then runs until killed.
     inplace.py report --kubelet-log KLOG --after T --resource R --healthy-before N --unit U
-                      --old-pid PID --cursor C --files LOG --spec PATH --metrics PATH --bound S
-        Reads what happened after T (the fake kubelet's records, systemd's journal after cursor C,
-        the recorded file changes), prints the figures as "name: value" lines, and exits 1 (with the
-        reasons) unless:
+                      --old-pid PID --files LOG --spec PATH --metrics PATH --bound S
+        Reads what happened after T (the fake kubelet's records; the journal: the unit's records and the
+        old daemon's; the recorded file changes), prints the figures as "name: value" lines, and exits
+        1 (with the reasons) unless:
           - the unit was restarted once, by a restart job: the old daemon stopped once, systemd logged one
             stop and one start;
           - kubelet saw one new registration of R, and the old stream ended only after the old daemon
@@ -93,14 +93,17 @@ def read_lines(path: str, after: float) -> list[Record]:
     return [r for r in records if float(r.get("t", 0)) > after]
 
 
-def journal(cursor: str, *match: str) -> list[Record]:
+def journal(after: float, *match: str) -> list[Record]:
+    """This boot's records that match, received after ``after``. Filtered here, not with --after-cursor:
+    journalctl 252 with a cursor and a match missed a record that was there."""
     out = subprocess.run(
-        ["journalctl", "--no-pager", "-o", "json", "--after-cursor", cursor, *match],
+        ["journalctl", "--no-pager", "-b", "-o", "json", *match],
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [r for r in records if int(r["__REALTIME_TIMESTAMP"]) / 1e6 > after]
 
 
 def zero_windows(records: list[Record], resource: str, start_healthy: int) -> list[tuple[float, float | None]]:
@@ -157,7 +160,8 @@ def check_restart(report: Report, entries: list[Record]) -> tuple[float | None, 
     if len(stopping) != 1 or len(stopped) != 1 or len(started) != 1:
         report.problems.append(
             f"the daemon stopped {len(stopping)} time(s); systemd logged {len(stopped)} stop(s) and "
-            f"{len(started)} start(s) of the unit (one restart is one of each)"
+            f"{len(started)} start(s) of the unit (one restart is one of each); the journal had: "
+            + "; ".join(f"[{e.get('_PID')}] {e.get('MESSAGE', '')[:60]}" for e in entries)
         )
         return (stopping[0] if stopping else None), None
     # A stop job in prerm and a start job in postinst would leave the node without the daemon while
@@ -224,7 +228,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     report = Report()
     # The old daemon's records by its pid: one that exits right after logging can leave records journald
     # no longer ties to the unit (it reads the unit from the sender's cgroup, gone with the process).
-    entries = journal(args.cursor, "-u", args.unit) + journal(args.cursor, f"_PID={args.old_pid}")
+    entries = journal(args.after, "-u", args.unit) + journal(args.after, f"_PID={args.old_pid}")
     stopping, _ = check_restart(report, list({e["__CURSOR"]: e for e in entries}.values()))
     check_kubelet(report, args, read_lines(args.kubelet_log, args.after), stopping)
     check_files(report, args, read_lines(args.files, args.after))
@@ -249,7 +253,6 @@ def main() -> int:
     r.add_argument("--healthy-before", type=int, required=True, help="kubelet's healthy units at T")
     r.add_argument("--unit", required=True)
     r.add_argument("--old-pid", required=True, help="the old daemon's pid")
-    r.add_argument("--cursor", required=True)
     r.add_argument("--files", required=True)
     r.add_argument("--spec", required=True)
     r.add_argument("--metrics", required=True)

@@ -320,7 +320,7 @@ must "edited conffile (cdi = true, count = $count_in_place) applied: CDI spec an
 # report what kubelet, systemd and the files saw (inplace.py report).
 in_place() {
     local what=$1 dir=$2; shift 2
-    local before_version after_version pid spec_before t c watcher rc=0 healthy=0
+    local before_version after_version pid spec_before t watcher rc=0 healthy=0
     before_version=$(dpkg-query -W -f '${Version}' ate-devplugd)
     pid=$(prop MainPID); spec_before=$(spec_stat)
     [ "$kvm_ok" = 1 ] && healthy=$count_in_place
@@ -328,7 +328,7 @@ in_place() {
     "${inplace[@]}" watch "$watch_log" "$(dirname "$cdi_spec")" "$(dirname "$metrics_file")" >/run/watch.out 2>&1 &
     watcher=$!
     wait_for 10 grep -qx watching /run/watch.out || { say "the file watcher did not start"; kill "$watcher"; return 1; }
-    c=$(cursor); t=$(now)
+    t=$(now)
     (cd "$share/$dir" && apt-get install -y -q "$@" ./ate-devplugd_*.deb </dev/null) >/run/apt.log 2>&1 ||
         { cat /run/apt.log >&2; kill "$watcher"; return 1; }
     say "apt-get install took $(awk "BEGIN { printf \"%.1f\", $(now) - $t }") s"
@@ -339,7 +339,7 @@ in_place() {
         wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0' "$metrics_file" || rc=1
     kill "$watcher"; wait "$watcher" 2>/dev/null
     "${inplace[@]}" report --kubelet-log "$klog" --after "$t" --resource ate.dev/kvm --healthy-before "$healthy" \
-        --unit "$unit" --old-pid "$pid" --cursor "$c" --files "$watch_log" --spec "$cdi_spec" --metrics "$metrics_file" \
+        --unit "$unit" --old-pid "$pid" --files "$watch_log" --spec "$cdi_spec" --metrics "$metrics_file" \
         --bound "$restart_bound" >&2 || rc=1
     if [ "$what" = upgrade ]; then
         dpkg --compare-versions "$after_version" gt "$before_version" || { say "not an upgrade"; rc=1; }
