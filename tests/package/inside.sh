@@ -7,8 +7,8 @@
 #   fakes/kubelet.py         the fake kubelet
 #   wait_event.py            waits for kubelet log events and journal records
 #   inplace.py               records file changes; checks and reports an upgrade or downgrade in place
-# Each check appends "PASS|FAIL name (seconds)" to /mnt/share/results.txt;
-# "DONE" is appended last. The container journal goes to /mnt/share/journal.txt.
+# Each check appends "PASS|FAIL name (seconds)" to /mnt/share/results.txt, an in-place step also its
+# figures (indented); "DONE" is appended last. The container journal goes to /mnt/share/journal.txt.
 # Checks are functions run through check/must, which shellcheck cannot follow.
 # shellcheck disable=SC2317
 set -uo pipefail
@@ -340,7 +340,9 @@ in_place() {
     kill "$watcher"; wait "$watcher" 2>/dev/null
     "${inplace[@]}" report --kubelet-log "$klog" --after "$t" --resource ate.dev/kvm --healthy-before "$healthy" \
         --unit "$unit" --old-pid "$pid" --files "$watch_log" --spec "$cdi_spec" --metrics "$metrics_file" \
-        --bound "$restart_bound" >&2 || rc=1
+        --bound "$restart_bound" >/run/report.txt || rc=1
+    # The figures go beside the checks in the results (indented: not counted as checks).
+    sed "s/^/    $what: /" /run/report.txt | tee -a "$results" >&2
     if [ "$what" = upgrade ]; then
         dpkg --compare-versions "$after_version" gt "$before_version" || { say "not an upgrade"; rc=1; }
     else
