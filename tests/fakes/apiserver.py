@@ -10,7 +10,8 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   delete of a slice just created (the authorizer's graph lags behind its own watch);
 - ``consumable_capacity = False``: the DRAConsumableCapacity gate is off and ``allowMultipleAllocations``
   is dropped silently (§4b);
-- ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2);
+- ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2); ``wipe_driver()``:
+  kubelet deletes one driver's slices of the node once it stayed away for 30 s (§2);
   ``recreate_node()``: a new Node uid, and the garbage collector deletes slices owned by the old one;
 - nodes: get of its own Node; list and watch only with ``metadata.name=<node>`` (the node authorizer
   with AuthorizeNodeWithSelectors, on since 1.32); ``add_node``/``delete_node`` are seen on a watch;
@@ -187,6 +188,17 @@ class FakeApiServer:
     def kubelet_restarted(self) -> list[str]:
         """Kubelet's start: delete every ResourceSlice of this node, whatever its driver."""
         names = [n for n, s in self.slices.items() if s["spec"].get("nodeName") == self.node_name]
+        for name in names:
+            self._delete(name)
+        return names
+
+    def wipe_driver(self, driver: str) -> list[str]:
+        """Kubelet's wipe of a driver gone for its grace: delete the driver's slices of this node."""
+        names = [
+            n
+            for n, s in self.slices.items()
+            if s["spec"].get("nodeName") == self.node_name and s["spec"].get("driver") == driver
+        ]
         for name in names:
             self._delete(name)
         return names

@@ -9,7 +9,13 @@ It behaves as kubelet 1.36 does (shared/reference/dra-contract.md §1, §2):
   ``v1beta1.DRAPlugin``), then NotifyRegistrationStatus (5 s) with the outcome;
 - prepare/unprepare through the chosen version on the returned endpoint, 45 s per call, and the
   v1alpha1 health stream (``watch_health``);
-- ``restart()``: a kubelet started again registers every plugin socket anew.
+- ``restart()``: a kubelet started again registers every plugin socket anew;
+- a driver that deregisters has ``wiping_delay`` (kubelet's ``defaultWipingDelay``, 30 s, in
+  pkg/kubelet/cm/dra/manager.go) to register again before kubelet deletes its ResourceSlices on this
+  node (``on_wipe(driver)``, given the fake API server's ``wipe_driver``); a registration of the same
+  driver within that time cancels the pending wipe. Kubelet also queues the wipe when the gRPC
+  connection is lost with the socket left behind; this fake takes only the socket's removal, which is
+  what a stopping daemon does.
 
 Tests read ``events`` (an asyncio.Queue) with timeouts.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,7 @@ DIAL_TIMEOUT = 10.0
 GET_INFO_TIMEOUT = 1.0
 NOTIFY_TIMEOUT = 5.0
 CALL_TIMEOUT = 45.0
+WIPING_DELAY = 30.0
 _VERSIONS: dict[str, tuple[Any, Any]] = {
     "v1.DRAPlugin": (v1_pb2, v1_grpc),
     "v1beta1.DRAPlugin": (v1beta1_pb2, v1beta1_grpc),
@@ -65,9 +73,19 @@ class Plugin:
 
 
 class FakeDraKubelet:
-    def __init__(self, kubelet_dir: Path, known_versions: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")):
+    def __init__(
+        self,
+        kubelet_dir: Path,
+        known_versions: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
+        *,
+        on_wipe: Callable[[str], object] | None = None,
+        wiping_delay: float = WIPING_DELAY,
+    ):
         self.registry = kubelet_dir / "plugins_registry"
         self.known_versions = known_versions
+        self.on_wipe = on_wipe
+        self.wiping_delay = wiping_delay
+        self._wipes: dict[str, asyncio.TimerHandle] = {}
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.plugins: dict[str, Plugin] = {}
         self._watch: DirWatcher | None = None
@@ -83,6 +101,9 @@ class FakeDraKubelet:
 
     async def stop(self) -> None:
         self._stopping = True
+        for handle in self._wipes.values():
+            handle.cancel()
+        self._wipes.clear()
         if self._watch is not None:
             self._watch.close()
         for task in list(self._tasks):
@@ -157,6 +178,10 @@ class FakeDraKubelet:
             await old.channel.close()
         self.plugins[info.name] = plugin
         self.events.put_nowait(Event("registered", info.name, version))
+        pending = self._wipes.pop(info.name, None)
+        if pending is not None:
+            pending.cancel()
+            self.events.put_nowait(Event("wipe-cancelled", info.name))
 
     def _validate(self, info: reg_pb2.PluginInfo) -> str:
         if info.type != "DRAPlugin":
@@ -175,6 +200,17 @@ class FakeDraKubelet:
                 del self.plugins[driver]
                 await plugin.channel.close()
                 self.events.put_nowait(Event("deregistered", driver))
+                if self.on_wipe is not None and driver not in self._wipes:
+                    loop = asyncio.get_running_loop()
+                    self._wipes[driver] = loop.call_later(self.wiping_delay, self._wipe, driver)
+                    self.events.put_nowait(Event("wipe-pending", driver, f"{self.wiping_delay:g} s"))
+
+    def _wipe(self, driver: str) -> None:
+        """The grace is over and the driver did not come back: its slices on this node go."""
+        del self._wipes[driver]
+        assert self.on_wipe is not None
+        self.on_wipe(driver)
+        self.events.put_nowait(Event("wiped", driver))
 
     # -- the DRA manager's calls ------------------------------------------------------------------------
     async def prepare(self, driver: str, *claims: tuple[str, str, str]) -> Any:

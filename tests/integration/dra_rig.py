@@ -24,7 +24,7 @@ from ate_devplugd.dra.slices import SliceState
 from ate_devplugd.kernel import KernelView
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.certs import Pki
-from tests.fakes.dra_kubelet import FakeDraKubelet
+from tests.fakes.dra_kubelet import WIPING_DELAY, FakeDraKubelet
 from tests.support import DaemonInProcess, FakeMonitor, NotifyReceiver, daemon_in_process, kvm_config
 
 NODE = "node-1"
@@ -188,8 +188,10 @@ async def dra_node(
     reload_config: Callable[[], Config] | None = None,
     *,
     metrics_file: Path | str = "",
+    wiping_delay: float = WIPING_DELAY,
 ) -> AsyncIterator[DraNode]:
-    """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher."""
+    """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher (which
+    wipes the driver's slices ``wiping_delay`` seconds after it deregistered, unless it came back)."""
     async with short_dir() as base:
         api = FakeApiServer(NODE, token=TOKEN)
         await api.start()
@@ -201,7 +203,7 @@ async def dra_node(
             kvm_config(plugin_dir, dev_root, cdi=True, metrics_file=metrics_file), mode="dra", dra=dra
         )
         notify = NotifyReceiver(base / "notify")
-        kubelet = FakeDraKubelet(base / "kubelet")
+        kubelet = FakeDraKubelet(base / "kubelet", on_wipe=api.wipe_driver, wiping_delay=wiping_delay)
         try:
             async with daemon_in_process(
                 config, kernel, monitor=monitor, reload_config=reload_config, notify=notify.path

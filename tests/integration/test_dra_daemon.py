@@ -15,9 +15,10 @@ from ate_devplugd import config as configmod
 from ate_devplugd.config import Config
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.kernel import UdevKernelView
-from tests.integration.dra_rig import DRIVER, NODE, dra_node, short_dir
+from tests.fakes.dra_kubelet import WIPING_DELAY
+from tests.integration.dra_rig import DRIVER, NODE, DraNode, dra_node, short_dir
 from tests.podman import Podman
-from tests.support import FakeKernel, FakeMonitor, daemon_in_process, kvm_config, run_cli
+from tests.support import FakeKernel, FakeMonitor, NotifyReceiver, daemon_in_process, kvm_config, run_cli
 
 SANDBOX = (4242, 4242)
 
@@ -173,6 +174,68 @@ class TestProbe:
         assert [line.split()[0] for line in lines[1:]] == ["registration", "plugin", "slices"]
         assert all(" ERROR " in line for line in lines[1:]), lines
         assert "cannot read" in lines[3], lines
+
+
+WRITES = ("POST ", "PUT ", "PATCH ", "DELETE ")
+
+
+class TestDraRestart:
+    """A daemon restart (an upgrade in place, ``systemctl restart``) against kubelet's grace for drivers
+    that deregister (30 s, then kubelet deletes the driver's slices on the node)."""
+
+    @staticmethod
+    async def restart(
+        node: DraNode, kernel: FakeKernel, *, after: str | None = None
+    ) -> tuple[float, list[dict[str, object]]]:
+        """Stop the daemon (and wait for kubelet's event ``after``, if given), start a new daemon and wait until it is
+        registered and its slices are published; returns the seconds from the stop to the new registration
+        and the slices of the node from before the restart."""
+        before = node.api.node_slices()
+        while not node.api.changes.empty():
+            node.api.changes.get_nowait()
+        loop = asyncio.get_running_loop()
+        stopped_at = loop.time()
+        assert await node.running.stop() == 0
+        assert (await node.kubelet.next_event("deregistered")).name == DRIVER
+        assert (await node.kubelet.next_event("wipe-pending")).name == DRIVER
+        if after is not None:
+            await node.kubelet.next_event(after, timeout=10)
+        notify = NotifyReceiver(node.dir / "notify-again")
+        try:
+            async with daemon_in_process(node.config, kernel, notify=notify.path):
+                await node.kubelet.next_event("registered", timeout=10)
+                back = loop.time() - stopped_at
+                await notify.wait_for(lambda f: "registered with kubelet, slice published" in f.get("STATUS", ""))
+        finally:
+            await notify.close()
+        return back, before
+
+    async def test_restart_inside_kubelets_grace_keeps_the_slice(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """Stopped and started again within kubelet's 30 s: kubelet cancels its wipe, and the published slice
+        stays the same object (name, uid, resourceVersion): nothing deleted, created or updated."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("slice published")
+            requests = len(node.api.requests)
+            back, before = await self.restart(node, kernel)
+            assert (await node.kubelet.next_event("wipe-cancelled")).name == DRIVER
+            print(f"daemon restart: registered again {back * 1000:.0f} ms after the stop (grace {WIPING_DELAY:g} s)")
+            assert back < WIPING_DELAY
+            assert node.api.node_slices() == before and len(before) == 1
+            assert node.api.changes.empty()
+            assert [r for r in node.api.requests[requests:] if r.startswith(WRITES)] == []
+
+    async def test_restart_past_kubelets_grace_loses_the_slice(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """The same restart once the grace is over (shortened here): kubelet deletes the slice and the new
+        daemon creates another, which the test above would see."""
+        async with dra_node(kernel, fake_root, wiping_delay=0.2) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("slice published")
+            _, before = await self.restart(node, kernel, after="wiped")
+            kinds = [node.api.changes.get_nowait()[0] for _ in range(node.api.changes.qsize())]
+            assert kinds == ["DELETED", "ADDED"]
+            (after,) = node.api.node_slices()
+            assert after["metadata"]["uid"] != before[0]["metadata"]["uid"]
 
 
 class TestDraWithARealRuntime:

@@ -2,12 +2,13 @@
 # Runs inside the booted Debian 12 or 13 container (started by tests/package/run.sh),
 # as a oneshot unit once multi-user.target is reached. /mnt/share holds:
 #   deb/ate-devplugd_*.deb   the package under test
-#   upgrade/*.deb            the same package rebuilt with a higher version
+#   previous/*.deb           the same tree built with a lower version (the upgrade's starting point)
 #   src/                     the project's Python package (for the fake kubelet)
 #   fakes/kubelet.py         the fake kubelet
 #   wait_event.py            waits for kubelet log events and journal records
-# Each check appends "PASS|FAIL name (seconds)" to /mnt/share/results.txt;
-# "DONE" is appended last. The container journal goes to /mnt/share/journal.txt.
+#   inplace.py               records file changes; checks and reports an upgrade or downgrade in place
+# Each check appends "PASS|FAIL name (seconds)" to /mnt/share/results.txt, an in-place step also its
+# figures (indented); "DONE" is appended last. The container journal goes to /mnt/share/journal.txt.
 # Checks are functions run through check/must, which shellcheck cannot follow.
 # shellcheck disable=SC2317
 set -uo pipefail
@@ -295,28 +296,6 @@ stop_clean() {
 }
 check "systemctl stop: exit 0, no socket and no metrics file left" stop_clean
 
-# ---- upgrade -----------------------------------------------------------------------------------
-upgrade() {
-    local old_version new_version pid t
-    systemctl start "$unit" || return 1
-    printf '# local change kept across upgrades\n' >>"$conf"
-    set_count 16
-    t=$(now)
-    systemctl reload "$unit" && total_after "$t" 16 || return 1
-    pid=$(prop MainPID); old_version=$(dpkg-query -W -f '${Version}' ate-devplugd)
-    t=$(now)
-    (cd "$share/upgrade" && apt-get install -y -q ./ate-devplugd_*.deb </dev/null) || return 1
-    new_version=$(dpkg-query -W -f '${Version}' ate-devplugd)
-    say "upgraded $old_version -> $new_version"
-    dpkg --compare-versions "$new_version" gt "$old_version" &&
-        grep -q '^# local change kept across upgrades$' "$conf" && grep -q '^count = 16$' "$conf" &&
-        [ ! -e "$conf.dpkg-dist" ] && [ ! -e "$conf.dpkg-new" ] &&
-        wait_for 30 is_running && [ "$(prop MainPID)" != "$pid" ] &&
-        kubelet_event --after "$t" --timeout 60 register resource=ate.dev/kvm >/dev/null &&
-        total_after "$t" 16
-}
-check "upgrade to a higher version keeps the changed conffile and the registration" upgrade
-
 # ---- purge -------------------------------------------------------------------------------------
 purge() {
     local files rc=0 f
@@ -338,5 +317,113 @@ purge() {
     return "$rc"
 }
 check "apt-get purge removes everything" purge
+
+# ---- in place: from the previous version, on a node the daemon serves --------------------------------
+# The node as an operator runs it: the previous version installed and registered, an edited conffile
+# (CDI on, another count, a comment), the CDI spec and the metrics file written. Then the package under
+# test goes over it with apt-get install, back again with a downgrade, and away with remove and purge.
+# Each step is one restart: the figures (restart, kubelet's gap, the time allocatable is 0) are printed.
+restart_bound=30      # seconds allocatable may stay 0 during one restart; generous, the figure is printed
+count_in_place=16
+watch_log=/run/file-changes.jsonl
+inplace=(python3 "$share/inplace.py")
+spec_stat() { python3 -c 'import os, sys; s = os.stat(sys.argv[1]); print(s.st_ino, s.st_mtime_ns)' "$cdi_spec"; }
+conffile_kept() {
+    grep -q '^# local change kept across upgrades$' "$conf" && grep -q "^count = $count_in_place\$" "$conf" &&
+        grep -q '^cdi = true$' "$conf" && ! compgen -G "$conf.dpkg-*" >/dev/null && ! compgen -G "$conf.ucf-*" >/dev/null
+}
+
+previous_installed() {
+    local t; t=$(now)
+    (cd "$share/previous" && apt-get install -y -q ./ate-devplugd_*.deb </dev/null) &&
+        say "installed $(dpkg-query -W -f '${Version}' ate-devplugd)" &&
+        wait_for 30 is_running &&
+        kubelet_event --after "$t" --timeout 60 register resource=ate.dev/kvm >/dev/null
+}
+must "previous version installed and registered" previous_installed
+
+node_state() {
+    local t; t=$(now)
+    printf '# local change kept across upgrades\ncdi = true\n' >>"$conf"
+    set_count "$count_in_place"
+    systemctl reload "$unit" && total_after "$t" "$count_in_place" &&
+        wait_for 30 test -s "$cdi_spec" &&
+        wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0' "$metrics_file"
+}
+must "edited conffile (cdi = true, count = $count_in_place) applied: CDI spec and metrics file written" node_state
+
+# in_place WHAT DIR [APT-OPTION...]: apt-get install DIR's package over the running one, then check and
+# report what kubelet, systemd and the files saw (inplace.py report).
+in_place() {
+    local what=$1 dir=$2; shift 2
+    local before_version after_version pid spec_before t watcher rc=0 healthy=0
+    before_version=$(dpkg-query -W -f '${Version}' ate-devplugd)
+    pid=$(prop MainPID); spec_before=$(spec_stat)
+    [ "$kvm_ok" = 1 ] && healthy=$count_in_place
+    : >"$watch_log"
+    "${inplace[@]}" watch "$watch_log" "$(dirname "$cdi_spec")" "$(dirname "$metrics_file")" >/run/watch.out 2>&1 &
+    watcher=$!
+    wait_for 10 grep -qx watching /run/watch.out || { say "the file watcher did not start"; kill "$watcher"; return 1; }
+    t=$(now)
+    (cd "$share/$dir" && apt-get install -y -q "$@" ./ate-devplugd_*.deb </dev/null) >/run/apt.log 2>&1 ||
+        { cat /run/apt.log >&2; kill "$watcher"; return 1; }
+    say "apt-get install took $(awk "BEGIN { printf \"%.1f\", $(now) - $t }") s"
+    after_version=$(dpkg-query -W -f '${Version}' ate-devplugd)
+    say "$what: $before_version -> $after_version"
+    # What kubelet and node_exporter need before the report: the new registration and the new file.
+    kubelet_event --after "$t" --timeout 60 list resource=ate.dev/kvm total="$count_in_place" >/dev/null &&
+        wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0' "$metrics_file" || rc=1
+    kill "$watcher"; wait "$watcher" 2>/dev/null
+    "${inplace[@]}" report --kubelet-log "$klog" --after "$t" --resource ate.dev/kvm --healthy-before "$healthy" \
+        --unit "$unit" --old-pid "$pid" --files "$watch_log" --spec "$cdi_spec" --metrics "$metrics_file" \
+        --bound "$restart_bound" >/run/report.txt || rc=1
+    # The figures go beside the checks in the results (indented: not counted as checks).
+    sed "s/^/    $what: /" /run/report.txt | tee -a "$results" >&2
+    if [ "$what" = upgrade ]; then
+        dpkg --compare-versions "$after_version" gt "$before_version" || { say "not an upgrade"; rc=1; }
+    else
+        dpkg --compare-versions "$after_version" lt "$before_version" || { say "not a downgrade"; rc=1; }
+    fi
+    conffile_kept || { say "the edited conffile was not kept as it was"; rc=1; }
+    ! grep -qi 'configuration file' /run/apt.log || { say "dpkg asked about the conffile"; rc=1; }
+    [ "$(prop MainPID)" != "$pid" ] && is_running || { say "not one running new process"; rc=1; }
+    [ "$(spec_stat)" = "$spec_before" ] || { say "CDI spec inode/mtime $spec_before -> $(spec_stat)"; rc=1; }
+    [ "$(stat -c %a "$metrics_file")" = 644 ] || rc=1
+    return "$rc"
+}
+check "upgrade in place (apt-get install ./new.deb): one restart, one registration, spec and conffile kept" \
+    in_place upgrade deb
+check "downgrade in place (apt-get install --allow-downgrades): the same" in_place downgrade previous --allow-downgrades
+
+remove_keeps_spec() {
+    local spec_before t rc=0
+    spec_before=$(spec_stat); t=$(now)
+    apt-get remove -y -q ate-devplugd </dev/null >/run/apt.log 2>&1 || { cat /run/apt.log >&2; return 1; }
+    # shellcheck disable=SC2016 # a dpkg-query format, not a shell expression
+    [ "$(dpkg-query -W -f '${db:Status-Status}' ate-devplugd)" = config-files ] || { say "not in config-files"; rc=1; }
+    [ "$(systemctl show -P LoadState "$unit")" = not-found ] || { say "unit still loaded"; rc=1; }
+    kubelet_event --after "$t" --timeout 30 stream-ended resource=ate.dev/kvm >/dev/null || rc=1
+    [ ! -e "$sock" ] && [ ! -e "$metrics_file" ] || { say "socket or metrics file left"; rc=1; }
+    [ "$(spec_stat)" = "$spec_before" ] || { say "the CDI spec was removed or rewritten"; rc=1; }
+    conffile_kept || { say "remove did not keep the edited conffile"; rc=1; }
+    return "$rc"
+}
+check "apt-get remove: stopped, conffile kept, CDI spec left for the pods that hold it" remove_keeps_spec
+
+purge_after_remove() {
+    local f rc=0
+    apt-get purge -y -q ate-devplugd </dev/null >/run/apt.log 2>&1 || { cat /run/apt.log >&2; return 1; }
+    for f in /etc/ate-devplugd /var/lib/systemd/deb-systemd-helper-enabled/$unit \
+             /var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/$unit \
+             /usr/lib/python3/dist-packages/ate_devplugd; do
+        if [ -e "$f" ] || [ -L "$f" ]; then say "left behind: $f"; rc=1; fi
+    done
+    if dpkg-query -W -f '${db:Status-Status}\n' ate-devplugd 2>/dev/null | grep -qv not-installed; then
+        say "still known to dpkg"; rc=1
+    fi
+    [ -s "$cdi_spec" ] || { say "purge removed the CDI spec"; rc=1; }
+    return "$rc"
+}
+check "apt-get purge after remove: config gone, the CDI spec stays (removed by hand)" purge_after_remove
 
 finish

@@ -97,8 +97,8 @@ if [ ${#need[@]} -gt 0 ]; then
     }
 fi
 
-# ---- the packages: the one under test, and a higher version for the upgrade ----------------------------
-mkdir -p "$work/pkgs/deb" "$work/pkgs/upgrade"
+# ---- the packages: the one under test, and a lower version to upgrade from ------------------------------
+mkdir -p "$work/pkgs/deb" "$work/pkgs/previous"
 if [ ${#deb_arg[@]} = 1 ]; then
     [ -f "${deb_arg[0]}" ] || die "no such file: ${deb_arg[0]}"
     cp "${deb_arg[0]}" "$work/pkgs/deb/"
@@ -111,9 +111,10 @@ deb=$(ls "$work"/pkgs/deb/ate-devplugd_*_all.deb)
 [ "$(printf '%s\n' "$deb" | wc -l)" = 1 ] || die "expected one .deb, got: $deb"
 version=$(dpkg-deb -f "$deb" Version)
 say "testing $(basename "$deb") on: ${suites[*]}"
-"$top/packaging/build-deb.sh" --no-lintian --version "$version+pkgtest1" "$work/pkgs/upgrade" \
-    >"$work/build-upgrade.log" 2>&1 ||
-    { cat "$work/build-upgrade.log" >&2; die "building the upgrade package failed"; }
+# The same tree as a lower version: "~" sorts before anything, so X~pkgtest1 < X.
+"$top/packaging/build-deb.sh" --no-lintian --version "$version~pkgtest1" "$work/pkgs/previous" \
+    >"$work/build-previous.log" 2>&1 ||
+    { cat "$work/build-previous.log" >&2; die "building the previous version failed"; }
 
 # ---- static checks on the .deb -----------------------------------------------------------------
 mkdir "$work/deb"
@@ -298,8 +299,8 @@ for suite in "${suites[@]}"; do
         check "[$suite] systemd-analyze security --offline=true <= $max_exposure" exposure
         check "[$suite] the same with DRA mode's drop-in <= $max_exposure_dra" exposure_dra
         check "[$suite] bake: dpkg --root install enables the unit, starts nothing" bake
-        cp -a "$work/pkgs/deb" "$work/pkgs/upgrade" "$share/"
-        cp "$here/inside.sh" "$here/wait_event.py" "$share/"
+        cp -a "$work/pkgs/deb" "$work/pkgs/previous" "$share/"
+        cp "$here/inside.sh" "$here/wait_event.py" "$here/inplace.py" "$share/"
         cp -a "$top/tests/fakes" "$share/fakes"
         cp -a "$top/src" "$share/src"
         find "$share/src" "$share/fakes" -name __pycache__ -prune -exec rm -rf {} +

@@ -6,7 +6,7 @@
 # The image lives in .cache/vm/<key>/ (base.img, vmlinuz, initrd.img, packages.txt), where <key> is a
 # hash of this script and the package list, so editing either rebuilds it and nothing else does.
 # The guest has the .deb's runtime dependencies preinstalled (the test installs the .deb offline),
-# a small initrd (virtio disk + ext4 only), the 9p share mounted on /mnt/share, and a oneshot unit
+# podman and runc (it boots systemd on the unified cgroup hierarchy, Debian 12's default), a small initrd (virtio disk + ext4 only), the 9p share mounted on /mnt/share, and a oneshot unit
 # that runs /mnt/share/guest-test.sh once multi-user.target is reached and then powers the guest off.
 #
 # Environment:
@@ -20,11 +20,14 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cache=${SYSTEST_CACHE:-$repo/.cache/vm}
 
-# Runtime dependencies of the .deb, plus what a booted guest with udev and modules needs.
+# Runtime dependencies of the .deb, plus what a booted guest with udev and modules needs, plus a
+# container runtime for the cgroup v2 step (podman with runc; busybox-static is the containers' shell
+# and mknod). The guest has no network, so the image holds all of it.
 packages=(
     systemd systemd-sysv udev kmod procps linux-image-amd64
     python3 python3-grpcio python3-protobuf python3-systemd python3-pyudev python3-prometheus-client
     python3-aiohttp python3-yaml
+    podman runc busybox-static
 )
 
 log() { printf 'build-image: %s\n' "$*" >&2; }

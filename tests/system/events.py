@@ -20,6 +20,10 @@ stream-ended records also have "resource", list records have "healthy", "total" 
       caused it (modprobe -r alone takes half a second under the software CPU).
   events.py wait ... --where KEY=VALUE
       Also requires the record's KEY to equal VALUE (repeatable), e.g. --where devname=kvm.
+  events.py allocate SOCKET
+      What kubelet does before it creates a container: the first ListAndWatch message, then a real
+      Allocate of one healthy unit, through the installed package's generated stubs; prints
+      {"id", "ms" (the Allocate), "devices": [{host_path, container_path, permissions}], "cdi_devices": [...]}.
 """
 
 from __future__ import annotations
@@ -172,6 +176,38 @@ def cmd_uevents(args: argparse.Namespace) -> int:
             out.write(json.dumps(rec, sort_keys=True) + "\n")
 
 
+def cmd_allocate(args: argparse.Namespace) -> int:
+    import grpc  # the guest's python3-grpcio, and the stubs of the package under test
+
+    from ate_devplugd._pb import api_pb2, api_pb2_grpc
+
+    with grpc.insecure_channel(f"unix://{args.socket}") as channel:
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        call = stub.ListAndWatch(api_pb2.Empty(), timeout=args.timeout)
+        first = next(call)
+        call.cancel()
+        healthy = [d.ID for d in first.devices if d.health == "Healthy"]
+        if not healthy:
+            print(f"events: no healthy unit on {args.socket}", file=sys.stderr)
+            return 1
+        request = api_pb2.AllocateRequest(
+            container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=healthy[:1])]
+        )
+        t = time.monotonic()
+        (answer,) = stub.Allocate(request, timeout=args.timeout).container_responses
+        out = {
+            "id": healthy[0],
+            "ms": round((time.monotonic() - t) * 1000, 1),
+            "devices": [
+                {"host_path": d.host_path, "container_path": d.container_path, "permissions": d.permissions}
+                for d in answer.devices
+            ],
+            "cdi_devices": [d.name for d in answer.cdi_devices],
+        }
+    print(json.dumps(out, sort_keys=True))
+    return 0
+
+
 def where_pairs(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -206,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("uevents")
     u.add_argument("log", type=Path)
     u.set_defaults(func=cmd_uevents)
+    al = sub.add_parser("allocate")
+    al.add_argument("socket")
+    al.add_argument("--timeout", type=float, default=30.0)
+    al.set_defaults(func=cmd_allocate)
     args = ap.parse_args(argv)
     if args.cmd == "wait":
         args.where = where_pairs(args.where)

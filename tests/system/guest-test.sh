@@ -1,7 +1,8 @@
 #!/bin/bash
 # Runs inside the guest (started by systest.service; see build-image.sh and run.sh).
 # Installs the .deb offline, runs the fake kubelet, and checks the daemon through seven steps while
-# kernel modules are unloaded and loaded for real. One line per step:
+# kernel modules are unloaded and loaded for real; an eighth runs containers with podman on the
+# unified cgroup hierarchy. One line per step:
 #   STEP n name: PASS|FAIL <latency> ms
 # followed by indented details. Exit status: the number of failed steps (0 = all passed).
 set -uo pipefail
@@ -136,6 +137,7 @@ log_level = "debug"
 resource = "ate.dev/kvm"
 path = "/dev/kvm"
 probe = "kvm"
+cdi = true
 
 [[device]]
 resource = "ate.dev/vhost-net"
@@ -423,14 +425,114 @@ registered_since "$t" || ok=0
 ev check "$klog" --since "$t" || ok=0
 report 7 cold-start "$ok" "$REG_MS"
 
+# ---- 8. cgroup v2: the device program is the gate, and the daemon's CDI grant opens it ------------
+# On the unified hierarchy a container's device access is an eBPF program on its cgroup, which refuses
+# every node the runtime was not told to allow, whatever the file's mode or the process's capabilities.
+# podman (runc) runs an image holding kvmcheck (tests/podman/kvmcheck.c, a tiny VMM) and busybox:
+#   a. uid 1000, no supplementary group, the CDI name the daemon's Allocate returned: opens /dev/kvm,
+#      and boots a guest if the emulated CPU's nested KVM runs it (reported either way);
+#   b. the same without the CDI name: no node (the grant removed);
+#   c. the DeviceSpec alone (the host's 0660 root:kvm node): EACCES for uid 1000;
+#   d. root with CAP_MKNOD makes c 10:232 itself, mode 0666, with no grant: EPERM on open (the program);
+#   e. the same with the cgroup rule c 10:232 rw: it opens (so d's refusal is the device program's).
+ok=1 lat=-
+step8() {
+    local fstype img=localhost/ate-kvmcheck:e2e dir=$work/image alloc cdi out t vm sock=$plugin_dir/ate.dev-kvm.sock
+    fstype=$(stat -fc %T /sys/fs/cgroup)
+    info "stat -fc %T /sys/fs/cgroup: $fstype"
+    [[ $fstype == cgroup2fs ]] || { ok=0; info "systemd did not boot on the unified cgroup hierarchy"; }
+    # The image's podman with runc (crun is not in the image), and otherwise its defaults.
+    mkdir -p /etc/containers
+    printf '[engine]\nruntime = "runc"\n' >/etc/containers/containers.conf
+    rm -rf "$dir"; mkdir -p "$dir/dev" "$dir/tmp"
+    install -m 0755 "$share/kvmcheck" "$dir/kvmcheck"
+    install -m 0755 /bin/busybox "$dir/busybox"
+    t=$(now)
+    if ! tar -C "$dir" -cf "$work/image.tar" . || ! podman import --quiet "$work/image.tar" "$img" >/dev/null; then
+        ok=0; info "podman import failed"; return
+    fi
+    info "podman: image imported in $(ms_since "$t") ms"
+    info "podman info: $(podman info --format 'podman {{.Version.Version}}, cgroup manager {{.Host.CgroupManager}}, cgroups {{.Host.CgroupsVersion}}, runtime {{.Host.OCIRuntime.Name}} {{.Host.OCIRuntime.Version}}' | head -n1)"
+    if ! alloc=$(ev allocate "$sock"); then
+        ok=0; info "no Allocate answer from $sock"; return
+    fi
+    info "Allocate (a real gRPC call on $sock): $alloc"
+    cdi=$(jget 'd["cdi_devices"][0] if d["cdi_devices"] else ""' <<<"$alloc")
+    [[ -n $cdi ]] || { ok=0; info "Allocate named no CDI device"; return; }
+    prun() { timeout 300 podman run --rm --network none --pull never "$@"; }
+    # kv JSON EXPR: evaluate EXPR on the checker's line.
+    kv() { jget "$2" <<<"$1"; }
+
+    t=$(now)
+    if out=$(prun --user 1000:1000 --device "$cdi" "$img" /kvmcheck 2>"$work/podman.err"); then
+        lat=$(ms_since "$t")
+        info "a. --user 1000:1000 --device $cdi ($lat ms): $out"
+        [[ $(kv "$out" 'd["uid"], d["gid"], [g for g in d["groups"] if g != 1000]') == "(1000, 1000, [])" ]] ||
+            { ok=0; info "a. not uid/gid 1000 without supplementary groups"; }
+        [[ $(kv "$out" 'd["open_errno"], d["api_version"]') == "(0, 12)" ]] ||
+            { ok=0; info "a. /dev/kvm did not open (KVM_GET_API_VERSION 12 expected)"; }
+        vm=$(kv "$out" '"none" if not d.get("vm") else "ran" if d["vm"]["failed_step"] is None else "failed"')
+        if [[ $vm == ran ]]; then
+            info "a. KVM_RUN in the nested guest: yes; the guest wrote $(kv "$out" 'repr(d["vm"]["output"])')" \
+                 "in $(kv "$out" 'd["vm"]["exits"]') exits"
+            [[ $(kv "$out" 'd["vm"]["output"]') == "kvm guest: hello from real mode" ]] ||
+                { ok=0; info "a. the guest's output is not the expected text"; }
+        elif [[ $vm == failed ]]; then
+            info "a. KVM_RUN in the nested guest: no (this emulated CPU's nested KVM:" \
+                 "$(kv "$out" 'd["vm"]')); the KVM_GET_API_VERSION check stands"
+        fi
+    else
+        ok=0; info "a. podman run failed: $(cat "$work/podman.err")"
+    fi
+    t=$(now)
+    if out=$(prun --user 1000:1000 "$img" /kvmcheck 2>"$work/podman.err"); then
+        info "b. without the CDI name ($(ms_since "$t") ms): $out"
+        [[ $(kv "$out" 'd["open_errno"]') == 2 ]] || { ok=0; info "b. expected ENOENT: no node without the grant"; }
+    else
+        ok=0; info "b. podman run failed: $(cat "$work/podman.err")"
+    fi
+    t=$(now)
+    if out=$(prun --user 1000:1000 --device /dev/kvm "$img" /kvmcheck 2>"$work/podman.err"); then
+        info "c. the DeviceSpec alone, --device /dev/kvm ($(ms_since "$t") ms): $out"
+        [[ $(kv "$out" 'd["open_errno"]') == 13 ]] || { ok=0; info "c. expected EACCES on the host's root:kvm 0660 node"; }
+    else
+        ok=0; info "c. podman run failed: $(cat "$work/podman.err")"
+    fi
+    local mk='/busybox cat /proc/self/cgroup >&2 && /busybox mknod -m 666 /dev/kvm c 10 232 && exec /kvmcheck /dev/kvm'
+    t=$(now)
+    # The host's cgroup namespace (the device program is the same), so the container's cgroup shows
+    # which manager made it: machine.slice/libpod-<id>.scope is systemd's, machine/libpod-<id> cgroupfs'.
+    if out=$(prun --cap-add MKNOD --cgroupns host "$img" /busybox sh -c "$mk" 2>"$work/podman.err"); then
+        info "d. root, CAP_MKNOD, mknod c 10:232 itself, no grant ($(ms_since "$t") ms): $out"
+        info "d. the container's cgroup: $(tr '\n' ' ' <"$work/podman.err")"
+        [[ $(kv "$out" 'd["uid"], d["stat"]["chr"], d["stat"]["major"], d["stat"]["minor"], oct(d["stat"]["mode"])') == \
+           "(0, True, 10, 232, '0o666')" ]] || { ok=0; info "d. not root with a 0666 node c 10:232"; }
+        [[ $(kv "$out" 'd["open_errno"]') == 1 ]] || { ok=0; info "d. expected EPERM from the device program"; }
+    else
+        ok=0; info "d. podman run failed: $(cat "$work/podman.err")"
+    fi
+    t=$(now)
+    if out=$(prun --cap-add MKNOD --device-cgroup-rule 'c 10:232 rw' "$img" /busybox sh -c "$mk" 2>"$work/podman.err"); then
+        info "e. the same with --device-cgroup-rule 'c 10:232 rw' ($(ms_since "$t") ms): $out"
+        [[ $(kv "$out" 'd["open_errno"], d["api_version"]') == "(0, 12)" ]] ||
+            { ok=0; info "e. expected the node to open with the rule"; }
+    else
+        ok=0; info "e. podman run failed: $(cat "$work/podman.err")"
+    fi
+}
+t8=$(now)
+step8
+info "step 8 took $(ms_since "$t8") ms"
+report 8 cgroup2-podman "$ok" "$lat"
+
 # ---- summary ---------------------------------------------------------------------------------------
 ev check "$klog" || info "event log invariants broken over the whole run (see above)"
 info "daemon tracebacks in the journal: $(journalctl -u "$unit" --no-pager -o cat | grep -c '^Traceback')"
 kubelet_stop
 cp "$klog" "$share/out/kubelet.jsonl" 2>/dev/null
 if ((${#failed[@]})); then
-    echo "RESULT: FAIL (${#failed[@]} of 7: ${failed[*]})"
+    echo "RESULT: FAIL (${#failed[@]} of 8: ${failed[*]})"
 else
-    echo "RESULT: PASS (7 of 7)"
+    echo "RESULT: PASS (8 of 8)"
 fi
 exit "${#failed[@]}"

@@ -14,7 +14,7 @@
 # console), rc (the guest test's exit status).
 #
 # Environment:
-#   SYSTEST_TIMEOUT     seconds before qemu is killed (default 540; the guest stops its test 60 s earlier)
+#   SYSTEST_TIMEOUT     seconds before qemu is killed (default 900; the guest stops its test 60 s earlier)
 #   SYSTEST_OUT         artifact directory (default <repo>/build/system-test)
 #   SYSTEST_GUEST_TEST  the script to run in the guest (default tests/system/guest-test.sh)
 #   SYSTEST_SMP, SYSTEST_MEM   guest CPUs (default 2) and memory in MiB (default 2048)
@@ -38,7 +38,7 @@ deb=$(ls -t -- "$@" | head -n1)
 (($# == 1)) || log "$# packages given; testing the newest: $deb"
 [[ $(id -u) == 0 ]] || die "must run as root"
 
-timeout_s=${SYSTEST_TIMEOUT:-540}
+timeout_s=${SYSTEST_TIMEOUT:-900}
 out=${SYSTEST_OUT:-$repo/build/system-test}
 guest_test=${SYSTEST_GUEST_TEST:-$here/guest-test.sh}
 [[ -f $guest_test ]] || die "no guest test script: $guest_test"
@@ -79,6 +79,12 @@ if [[ -d $repo/tests/fakes ]]; then
     cp -r "$repo/tests/fakes" "$share/fakes"
     rm -rf "$share/fakes/__pycache__"
 fi
+# The containers' checker (a tiny VMM), static: the image it runs in holds nothing else but busybox.
+command -v gcc >/dev/null && [[ -f /usr/include/linux/kvm.h ]] || {
+    log "installing gcc libc6-dev"
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q gcc libc6-dev >&2
+}
+gcc -static -O2 -Wall -o "$share/kvmcheck" "$repo/tests/podman/kvmcheck.c" || die "cannot build the checker"
 cp "$deb" "$share/$(basename "$deb")"
 basename "$deb" >"$share/deb-name"
 # The guest stops its own test a little before the host gives up on the guest.
