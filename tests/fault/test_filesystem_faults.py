@@ -40,7 +40,9 @@ from tests.support import DaemonProcess, NotifyReceiver, daemon, started_kubelet
 
 EPISODE = scale(15, 100) / 10
 #: Share of one CPU the daemon may use while it cannot serve (a retry loop without back-off uses ~100 %).
-CPU_SHARE = 0.10
+#: Generous: gRPC core's own threads are billed to the daemon, and on a loaded 2-core machine the
+#: same idle work costs several times more CPU; a spin still misses it by far. The figure is printed.
+CPU_SHARE = 0.35
 #: From the fault's end (signalled by a new kubelet.sock) to kubelet's "register".
 RECOVER_WITHIN = 3.0
 
