@@ -17,7 +17,17 @@ import pytest
 
 from tests.fakes.journald import capture_command
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import kvm_uevent, make_kvm_node, subprocess_env, wait_for_path, write_config
+from tests.support import (
+    KernelUevents,
+    daemon,
+    kvm_uevent,
+    make_kvm_node,
+    started_kubelet,
+    subprocess_env,
+    vm_storm,
+    wait_for_path,
+    write_config,
+)
 
 UDEVD = Path("/lib/systemd/systemd-udevd")
 UDEV_CONTROL = Path("/run/udev/control")
@@ -153,3 +163,74 @@ class TestUdevHotplug:
             _, err = await proc.communicate()
             await kubelet.stop()
         assert b"following kernel uevents" not in err, "the daemon should use udevd's events"
+
+    async def test_vm_announcements_through_udevd(
+        self, udevd: None, tmp_path: Path, plugin_dir: Path, dev_root: Path
+    ) -> None:
+        """udevd re-sends each of KVM's VM announcements after its rules: the socket filter drops those
+        too, so 300 VMs started and stopped make the daemon look again for none of them."""
+        kubelet = await started_kubelet(plugin_dir)
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        seen = KernelUevents()
+        try:
+            async with daemon(cfg) as proc:
+                await kubelet.next_event("list")
+                async with vm_storm(dev_root / "dev" / "kvm", 300) as storm:
+                    assert storm.stdout is not None
+                    made = int((await storm.stdout.readline()).split()[0])
+                await seen.wait_announcements(2 * made)
+                # udevd handles one device's events in order: our change comes after its announcements.
+                (dev_root / "dev" / "kvm").unlink()
+                await asyncio.to_thread(udev_change_kvm)
+                assert (await kubelet.next_event("list")).healthy == 0, proc.log()
+                log = proc.log()
+        finally:
+            seen.close()
+            await kubelet.stop()
+        assert "following kernel uevents" not in log, "the daemon should use udevd's events"
+        hints = [line for line in log.splitlines() if " uevent change misc/kvm" in line]
+        assert 1 <= len(hints) <= len(seen.other_kvm), (len(hints), len(seen.other_kvm))
+        assert "left out" not in log, "udevd's announcements got past the socket filter"
+
+    async def test_udev_touching_the_node_is_not_a_new_node(
+        self, udevd: None, tmp_path: Path, plugin_dir: Path
+    ) -> None:
+        """On each event udevd applies the kvm rule again (group, mode) and touches the node: its ctime
+        moves. The daemon, looking at the host's own /dev/kvm after each change, finds the same device:
+        no device event, the CDI spec and the metrics file stay as they were."""
+        kubelet = await started_kubelet(plugin_dir)
+        devices = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\nprobe = "kvm"\ncdi = true\n'
+        metrics = tmp_path / "m.prom"
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, Path("/"), devices, metrics_file=metrics)
+        spec = tmp_path / "cdi" / "ate.dev-kvm.json"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ate_devplugd", "run", "--config", str(cfg), "--log-target", "console",
+            "--log-level", "debug", stderr=asyncio.subprocess.PIPE, env=subprocess_env(),
+        )  # fmt: skip
+        assert proc.stderr is not None
+        lines: list[str] = []
+
+        async def next_hint() -> None:
+            assert proc.stderr is not None
+            async with asyncio.timeout(10):
+                while " uevent change misc/kvm" not in (line := (await proc.stderr.readline()).decode()):
+                    assert line, "the daemon ended"
+                    lines.append(line)
+
+        try:
+            assert (await kubelet.next_event("list")).healthy == 4096
+            await wait_for_path(metrics)
+            before = [os.stat(p) for p in ("/dev/kvm", spec, metrics)]
+            for _ in range(5):
+                await asyncio.to_thread(udev_change_kvm)
+                await next_hint()
+            after = [os.stat(p) for p in ("/dev/kvm", spec, metrics)]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await proc.communicate()
+            await kubelet.stop()
+        assert after[0].st_ctime_ns > before[0].st_ctime_ns, "udevd should have touched /dev/kvm"
+        for old, new in zip(before[1:], after[1:], strict=True):
+            assert (new.st_ino, new.st_mtime_ns) == (old.st_ino, old.st_mtime_ns)
+        looked = "".join(lines[next(i for i, line in enumerate(lines) if "ready" in line) :])
+        assert "event=device-" not in looked, looked
