@@ -37,7 +37,15 @@ from ate_devplugd._pb import api_pb2
 from ate_devplugd.config import DeviceConfig
 from ate_devplugd.devices import Presence, Resource
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import DaemonProcess, NotifyReceiver, make_kvm_node, subprocess_env
+from tests.support import (
+    DaemonProcess,
+    KernelUevents,
+    NotifyReceiver,
+    Udevd,
+    make_kvm_node,
+    subprocess_env,
+    vm_storm,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
@@ -66,6 +74,8 @@ class Plan:
     law_reps: tuple[tuple[int, int], ...]  # (count, builds)
     idle: float
     strace: float
+    vm_lifecycles: int  # VMs started and stopped per round
+    vm_rounds: int
 
 
 FULL = Plan(
@@ -77,6 +87,8 @@ FULL = Plan(
     law_reps=((4096, 50), (65536, 8)),
     idle=60.0,
     strace=10.0,
+    vm_lifecycles=1000,
+    vm_rounds=5,
 )
 QUICK = Plan(
     starts=3,
@@ -87,6 +99,8 @@ QUICK = Plan(
     law_reps=((4096, 5), (65536, 2)),
     idle=2.0,
     strace=1.0,
+    vm_lifecycles=50,
+    vm_rounds=1,
 )
 
 
@@ -580,6 +594,101 @@ async def strace_idle(pid: int, window: float, work: Path) -> dict[str, object]:
     return {"window_s": window, "syscalls": calls}
 
 
+async def vm_lifecycles(pid: int, ws: Workspace, plan: Plan, seen: KernelUevents, settle: bool) -> dict[str, object]:
+    """The daemon's CPU and main-thread wake-ups while VMs start and stop back to back (a real
+    KVM_CREATE_VM loop on the kvm node: each VM makes the kernel announce its start and its end),
+    and in a quiet window just as long right after (the floor): ``vm_rounds`` rounds, in turn.
+
+    A round ends once every announcement has reached the bench's own netlink socket and, with udevd
+    (``settle``), once udevd has handled them all (udevadm settle), so nothing the daemon might be
+    sent is left outside the window.
+    """
+    busy: list[float] = []
+    quiet: list[float] = []
+    busy_main: list[float] = []
+    quiet_main: list[float] = []
+    made_all = 0
+    took_all = 0.0
+    other_kvm = 0
+    for _ in range(plan.vm_rounds):
+        before, t0 = threads(pid), time.monotonic()
+        announced, others = seen.announcements, len(seen.other_kvm)
+        async with vm_storm(ws.node, plan.vm_lifecycles) as storm:
+            assert storm.stdout is not None
+            made_text, took_text = (await storm.stdout.readline()).split()
+        made = int(made_text)
+        await seen.wait_announcements(announced + 2 * made)
+        if settle:
+            await (await asyncio.create_subprocess_exec("udevadm", "settle", "--timeout=60")).wait()
+        after, t1 = threads(pid), time.monotonic()
+        other_kvm += len(seen.other_kvm) - others
+        await asyncio.sleep(t1 - t0)
+        rest = threads(pid)
+        per_thousand = 1000 / made
+        busy.append(_cpu_ms(before, after) * per_thousand)
+        quiet.append(_cpu_ms(after, rest) * per_thousand)
+        busy_main.append(_switches(pid, before, after) * per_thousand)
+        quiet_main.append(_switches(pid, after, rest) * per_thousand)
+        made_all += made
+        took_all += float(took_text)
+    return {
+        "lifecycles": made_all,
+        "rounds": plan.vm_rounds,
+        "uevents_seen": seen.announcements,
+        "vm_per_s": round(made_all / took_all) if took_all else 0,
+        "window_s_per_1000": round((t1 - t0) * 1000 / made, 2),
+        "cpu_ms_per_1000": round(statistics.median(busy), 2),
+        "quiet_cpu_ms": round(statistics.median(quiet), 2),
+        "quiet_cpu_ms_range": [round(min(quiet), 2), round(max(quiet), 2)],
+        "busy_cpu_ms_all": [round(x, 2) for x in busy],
+        "main_wakeups_per_1000": round(statistics.median(busy_main), 1),
+        "quiet_main_wakeups": round(statistics.median(quiet_main), 1),
+        "other_kvm_uevents": other_kvm,
+        "lost": seen.lost,
+    }
+
+
+def _cpu_ms(before: dict[int, ThreadSample], after: dict[int, ThreadSample]) -> float:
+    return sum(s.cpu_ns - before[t].cpu_ns for t, s in after.items() if t in before) / 1e6
+
+
+def _switches(pid: int, before: dict[int, ThreadSample], after: dict[int, ThreadSample]) -> int:
+    return after[pid].switches - before[pid].switches
+
+
+async def vm_lifecycles_with_udevd(
+    ws: Workspace, plan: Plan, notify: NotifyReceiver, kubelet: FakeKubelet
+) -> dict[str, object]:
+    """The same with udevd running (the daemon then reads udevd's events, sent after its rules): the
+    host's udevd, or one started for this and stopped after (/dev/kvm's owner and mode put back)."""
+    if not Udevd.can_start():
+        return {"skipped": "udevd is not installed (apt-get install udev)"}
+    udevd = Udevd()
+    udevd.start()
+    proc: DaemonProcess | None = None
+    seen = KernelUevents()
+    try:
+        await udevd.ready()
+        kubelet.drain()
+        notify.forget()
+        proc = await spawn_daemon(ws)
+        await notify.wait_for(is_ready, 20)
+        await kubelet.next_event("list", resource=RESOURCE, timeout=20)
+        await asyncio.sleep(1.0)
+        if "following kernel uevents" in proc.log():
+            raise RuntimeError("the daemon did not take udevd's events")
+        out = {"source": "udev", **await vm_lifecycles(proc.pid, ws, plan, seen, settle=True)}
+        await proc.stop()
+        check_exit(proc)
+        return out
+    finally:
+        seen.close()
+        if proc is not None and proc.proc is not None and proc.proc.returncode is None:
+            proc.proc.kill()
+            await proc.proc.wait()
+        udevd.stop()
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -634,8 +743,17 @@ async def measure(plan: Plan) -> dict[str, object]:
         await asyncio.sleep(1.0)
         results["idle"], floors["idle_grpc_server"] = await idle(proc.pid, plan.idle, ws.dir)
         results["idle_strace"] = await strace_idle(proc.pid, plan.strace, ws.dir)
+        progress(f"{plan.vm_rounds} x {plan.vm_lifecycles} VM lifecycles, kernel uevents")
+        seen = KernelUevents()
+        try:
+            lifecycles = {"kernel": {"source": uevent_source(), **await vm_lifecycles(proc.pid, ws, plan, seen, False)}}
+        finally:
+            seen.close()
         await proc.stop()
         check_exit(proc)
+        progress(f"{plan.vm_rounds} x {plan.vm_lifecycles} VM lifecycles, udevd")
+        lifecycles["udevd"] = await vm_lifecycles_with_udevd(ws, plan, notify, kubelet)
+        results["vm_lifecycles"] = lifecycles
     except BaseException:
         if proc is not None:
             sys.stderr.write(proc.log()[-4000:])

@@ -172,6 +172,35 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "",
         ),
     ]
+    out += vm_rows(r.get("vm_lifecycles", {}))
+    return out
+
+
+def vm_rows(lifecycles: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Daemon CPU and main-thread wake-ups per 1,000 VM lifecycles, beside a quiet window as long."""
+    out = []
+    for key, label in (("kernel", "kernel uevents"), ("udevd", "udevd")):
+        v = lifecycles.get(key)
+        if not v or "skipped" in v:
+            out.append((f"1,000 VM lifecycles ({label}): daemon CPU ms", "-", "", ""))
+            continue
+        low, high = v["quiet_cpu_ms_range"]
+        out.append(
+            (
+                f"1,000 VM lifecycles ({label}): daemon CPU ms",
+                _ms(v["cpu_ms_per_1000"]),
+                f"idle as long ({v['window_s_per_1000']:.1f} s): {_ms(v['quiet_cpu_ms'])} ({_ms(low)}-{_ms(high)})",
+                "within noise of idle",
+            )
+        )
+        out.append(
+            (
+                f"1,000 VM lifecycles ({label}): main-thread wake-ups",
+                f"{v['main_wakeups_per_1000']:.0f}",
+                f"idle as long: {v['quiet_main_wakeups']:.0f}",
+                "",
+            )
+        )
     return out
 
 
@@ -221,6 +250,16 @@ def notes(results: dict[str, Any]) -> str:
             f"(in {slices['with_foreign_uevents']} of {slices['total']} slices of {slices['of_s']:.0f} s, left out: "
             f"{r['idle']['window_s']:.0f} s counted)"
         )
+        for key, v in r.get("vm_lifecycles", {}).items():
+            if "skipped" in v:
+                out.append(f"{name}: VM lifecycles with {key}: skipped: {v['skipped']}")
+                continue
+            out.append(
+                f"{name}: VM lifecycles ({key}, daemon reading {v['source']} events): {v['lifecycles']} VMs in "
+                f"{v['rounds']} rounds at {v['vm_per_s']}/s; daemon CPU per 1,000 by round: "
+                f"{', '.join(_ms(x) for x in v['busy_cpu_ms_all'])} ms; other kvm uevents meanwhile: "
+                f"{v['other_kvm_uevents']}{'; netlink overflow in the bench' if v['lost'] else ''}"
+            )
         trace = r.get("idle_strace", {})
         if "syscalls" in trace:
             calls = "; ".join(

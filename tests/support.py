@@ -17,9 +17,11 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +49,8 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 RESOURCE = "ate.dev/kvm"
 SOCKET = "ate.dev-kvm.sock"
 KVM_DEVNUM = (10, 232)
+UDEVD = Path("/lib/systemd/systemd-udevd")
+UDEV_CONTROL = Path("/run/udev/control")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -188,6 +192,46 @@ async def vm_storm(node: Path | str = "/dev/kvm", count: int = 0) -> AsyncIterat
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
+
+
+class Udevd:
+    """udevd for a test or the bench: the host's if one runs, else one started here and, at ``stop()``,
+    ended, /run/udev removed and /dev/kvm's owner and mode put back (its rules may set them again).
+
+    Starting udevd changes nothing by itself (no coldplug is triggered).
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._saved: os.stat_result | None = None
+
+    @staticmethod
+    def can_start() -> bool:
+        return UDEV_CONTROL.exists() or (UDEVD.exists() and os.geteuid() == 0)
+
+    def start(self) -> None:
+        """Start one unless one runs (a plain child: it may outlive the loop of whoever starts it)."""
+        if UDEV_CONTROL.exists():
+            return
+        kvm = Path("/dev/kvm")
+        self._saved = kvm.stat() if kvm.exists() else None
+        self.proc = subprocess.Popen([str(UDEVD)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def ready(self, timeout: float = 20.0) -> None:
+        """Wait until udevd listens (its control socket is there)."""
+        await wait_for_path(UDEV_CONTROL, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.proc = None
+        shutil.rmtree("/run/udev", ignore_errors=True)
+        kvm = Path("/dev/kvm")
+        if self._saved is not None and kvm.exists():
+            os.chown(kvm, self._saved.st_uid, self._saved.st_gid)
+            os.chmod(kvm, self._saved.st_mode & 0o7777)
 
 
 class KernelUevents:

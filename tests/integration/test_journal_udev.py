@@ -19,6 +19,7 @@ from tests.fakes.journald import capture_command
 from tests.fakes.kubelet import FakeKubelet
 from tests.support import (
     KernelUevents,
+    Udevd,
     daemon,
     kvm_uevent,
     make_kvm_node,
@@ -28,9 +29,6 @@ from tests.support import (
     wait_for_path,
     write_config,
 )
-
-UDEVD = Path("/lib/systemd/systemd-udevd")
-UDEV_CONTROL = Path("/run/udev/control")
 
 
 class TestJournal:
@@ -86,29 +84,16 @@ class TestJournal:
 
 @pytest.fixture(scope="module")
 def udevd() -> Iterator[None]:
-    """A running udevd: the host's if there is one, else one started for these tests and stopped after.
-
-    Starting udevd changes nothing by itself (no coldplug is triggered); the change events the tests
-    send for kvm may re-apply its rules, so /dev/kvm's mode and group are restored afterwards.
-    """
-    if UDEV_CONTROL.exists():
-        yield
-        return
-    if not UDEVD.exists() or os.geteuid() != 0:
+    """A running udevd for these tests (``tests.support.Udevd``)."""
+    if not Udevd.can_start():
         pytest.skip("udevd is not installed (apt-get install udev) or not root")
-    kvm = Path("/dev/kvm")
-    saved = kvm.stat() if kvm.exists() else None
-    proc = subprocess.Popen([str(UDEVD)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    udevd = Udevd()
     try:
-        asyncio.run(wait_for_path(UDEV_CONTROL, timeout=20))
+        udevd.start()
+        asyncio.run(udevd.ready())
         yield
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        shutil.rmtree("/run/udev", ignore_errors=True)
-        if saved is not None and kvm.exists():
-            os.chown(kvm, saved.st_uid, saved.st_gid)
-            os.chmod(kvm, saved.st_mode & 0o7777)
+        udevd.stop()
 
 
 def udev_change_kvm() -> None:
