@@ -23,7 +23,7 @@ cache=${SYSTEST_CACHE:-$repo/.cache/vm}
 # Runtime dependencies of the .deb, plus what a booted guest with udev and modules needs.
 packages=(
     systemd systemd-sysv udev kmod procps linux-image-amd64
-    python3 python3-grpcio python3-protobuf python3-systemd python3-pyudev python3-prometheus-client
+    python3 python3-grpcio python3-protobuf python3-systemd python3-pyudev
     python3-aiohttp python3-yaml
 )
 
