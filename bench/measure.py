@@ -76,6 +76,8 @@ class Plan:
     strace: float
     vm_lifecycles: int  # VMs started and stopped per round
     vm_rounds: int
+    dra_claims: int  # claims prepared and unprepared before DRA mode's RSS after load
+    import_reps: int
 
 
 FULL = Plan(
@@ -89,6 +91,8 @@ FULL = Plan(
     strace=10.0,
     vm_lifecycles=1000,
     vm_rounds=5,
+    dra_claims=500,
+    import_reps=3,
 )
 QUICK = Plan(
     starts=3,
@@ -101,6 +105,8 @@ QUICK = Plan(
     strace=1.0,
     vm_lifecycles=50,
     vm_rounds=1,
+    dra_claims=10,
+    import_reps=1,
 )
 
 
@@ -175,13 +181,22 @@ class Workspace:
         self.plugin_dir.mkdir(mode=0o750)
         self.floor_dir = self.dir / "floor-plugins"
         self.floor_dir.mkdir(mode=0o750)
-        self.config = self.dir / "config.toml"
-        self.config.write_text(
-            f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n'
-            f'metrics_file = "{self.dir / "ate-devplugd.prom"}"\ncdi_dir = "{self.dir / "cdi"}"\n\n'
-            f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
-        )
+        self.config = self.write_config("config.toml")
         self.notify_path = self.dir / "notify.sock"
+
+    def write_config(self, name: str, *, metrics: bool = True, dra: str = "") -> Path:
+        """The bench's config: the kvm resource with its probe, metrics in the temp dir (or off), CDI
+        specs there; ``dra``: the [dra] table (DRA mode, where every device has a CDI spec)."""
+        path = self.dir / name
+        metrics_file = self.dir / "ate-devplugd.prom" if metrics else ""
+        path.write_text(
+            f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n'
+            f'metrics_file = "{metrics_file}"\ncdi_dir = "{self.dir / "cdi"}"\n'
+            + ('mode = "dra"\n' if dra else "")
+            + f'\n[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
+            + ("cdi = true\n\n" + dra if dra else "")
+        )
+        return path
 
     def make_node(self) -> None:
         make_kvm_node(self.dev_root)
@@ -190,9 +205,9 @@ class Workspace:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def spawn_daemon(ws: Workspace) -> DaemonProcess:
+async def spawn_daemon(ws: Workspace, config: Path | None = None) -> DaemonProcess:
     env = subprocess_env(NOTIFY_SOCKET=str(ws.notify_path), WATCHDOG_USEC=str(WATCHDOG_USEC))
-    return await DaemonProcess(ws.config, env=env, log_level="info").start()
+    return await DaemonProcess(config or ws.config, env=env, log_level="info").start()
 
 
 def check_exit(proc: DaemonProcess) -> None:
@@ -479,9 +494,14 @@ def list_and_watch(plan: Plan) -> dict[str, object]:
 
 async def floor_rss(ws: Workspace) -> dict[str, int]:
     """RSS of a process that only imports grpc, and of one that loads every library the daemon
-    uses and serves one grpc.aio server."""
+    uses and serves one grpc.aio server (and of one that also loads DRA mode's libraries)."""
     out = {}
-    for name, args in (("import_grpc", ()), ("libraries_and_server", (str(ws.dir / "rss-floor.sock"),))):
+    sock = str(ws.dir / "rss-floor.sock")
+    for name, args in (
+        ("import_grpc", ()),
+        ("libraries_and_server", (sock,)),
+        ("dra_libraries_and_server", (sock, "dra")),
+    ):
         proc = await spawn_floor("idle-import" if not args else "idle-libraries", *args)
         try:
             await asyncio.sleep(0.5)
@@ -689,6 +709,101 @@ async def vm_lifecycles_with_udevd(
         udevd.stop()
 
 
+async def import_groups(reps: int) -> dict[str, dict[str, int]]:
+    """RSS after each group of the daemon's imports (floors.py import-groups), median of ``reps`` runs,
+    for device-plugin mode (then prometheus_client, which it does not load) and for DRA mode."""
+    out: dict[str, dict[str, int]] = {}
+    for mode in ("dp", "dra"):
+        runs: dict[str, list[int]] = {}
+        for _ in range(reps):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(FLOORS), "import-groups", mode, stdout=subprocess.PIPE, env=child_env()
+            )
+            stdout, _ = await proc.communicate()
+            for line in stdout.decode().splitlines():
+                group, kib = line.split("\t")
+                runs.setdefault(group, []).append(int(kib))
+        out[mode] = {group: round(statistics.median(values)) for group, values in runs.items()}
+    return out
+
+
+async def standard_load(kubelet: FakeKubelet, plan: Plan) -> None:
+    """What the measured daemon goes through before its RSS after load: kubelet restarts, then Allocates."""
+    for _ in range(plan.restarts + WARM_UP):
+        await _restart_once(kubelet, RESOURCE)
+    await allocates(kubelet, plan)
+
+
+async def metrics_off_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver, kubelet: FakeKubelet) -> dict[str, int]:
+    """RSS of device-plugin mode with ``metrics_file = ""``: after start, and after the same load."""
+    kubelet.drain()
+    notify.forget()
+    proc = await spawn_daemon(ws, ws.write_config("no-metrics.toml", metrics=False))
+    try:
+        await notify.wait_for(is_ready, 20)
+        await kubelet.next_event("list", resource=RESOURCE, timeout=20)
+        await asyncio.sleep(1.0)
+        start = rss_kib(proc.pid)
+        await standard_load(kubelet, plan)
+        await asyncio.sleep(1.0)
+        loaded = rss_kib(proc.pid)
+        await proc.stop()
+        check_exit(proc)
+    finally:
+        if proc.proc is not None and proc.proc.returncode is None:
+            proc.proc.kill()
+            await proc.proc.wait()
+    return {"start_kib": start, "loaded_kib": loaded}
+
+
+async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str, int]:
+    """RSS of DRA mode against the fake API server (TLS, a client certificate as kubelet's own) and
+    the fake DRA kubelet: after start (registered, slice published), and after ``dra_claims`` claims
+    prepared and unprepared one by one (each read from the API server)."""
+    from tests.fakes.apiserver import FakeApiServer
+    from tests.fakes.certs import make_pki
+    from tests.fakes.dra_kubelet import FakeDraKubelet
+    from tests.integration.dra_rig import NODE, write_kubeconfig
+
+    driver = "kvm.ate.dev"
+    pki = make_pki(ws.dir / "pki")
+    api = FakeApiServer(NODE, pki=pki)
+    await api.start()
+    kubeconfig = write_kubeconfig(ws.dir / "kubeconfig", api.url, token=None, pki=pki)
+    kubelet_dir = ws.dir / "kubelet"
+    dra = (
+        f'[dra]\ndriver = "{driver}"\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\n'
+        f'kubelet_dir = "{kubelet_dir}"\n'
+    )
+    kubelet = FakeDraKubelet(kubelet_dir)
+    notify.forget()
+    proc = await spawn_daemon(ws, ws.write_config("dra.toml", dra=dra))
+    try:
+        await kubelet.start()
+        await notify.wait_for(is_ready, 20)
+        await kubelet.next_event("registered", timeout=20)
+        await notify.wait_for(lambda f: "slice published (" in f.get("STATUS", ""), 20)
+        await asyncio.sleep(1.0)
+        start = rss_kib(proc.pid)
+        for i in range(plan.dra_claims):
+            name = f"vm-{i}"
+            result = {"request": "kvm", "driver": driver, "pool": f"{NODE}/{RESOURCE}", "device": f"kvm-{i % 128}"}
+            claim = ("default", api.add_claim("default", name, [result]), name)
+            await kubelet.prepare(driver, claim)
+            await kubelet.unprepare(driver, claim)
+        await asyncio.sleep(1.0)
+        loaded = rss_kib(proc.pid)
+        await proc.stop()
+        check_exit(proc)
+    finally:
+        if proc.proc is not None and proc.proc.returncode is None:
+            proc.proc.kill()
+            await proc.proc.wait()
+        await kubelet.stop()
+        await api.stop()
+    return {"start_kib": start, "loaded_kib": loaded, "claims": plan.dra_claims}
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -713,6 +828,7 @@ async def measure(plan: Plan) -> dict[str, object]:
         # Floors first, with no daemon running beside them.
         progress("floors")
         floors["rss_kib"] = await floor_rss(ws)
+        floors["import_groups_kib"] = await import_groups(plan.import_reps)
         floors["uevent"] = await floor_uevent(plan.uevents)
         floors["allocate"] = await floor_allocates(ws, plan)
         progress("ListAndWatch messages")
@@ -754,6 +870,11 @@ async def measure(plan: Plan) -> dict[str, object]:
         progress(f"{plan.vm_rounds} x {plan.vm_lifecycles} VM lifecycles, udevd")
         lifecycles["udevd"] = await vm_lifecycles_with_udevd(ws, plan, notify, kubelet)
         results["vm_lifecycles"] = lifecycles
+        progress("RSS with metrics off, and in DRA mode")
+        results["rss_by_mode"] = {
+            "metrics_off": await metrics_off_rss(ws, plan, notify, kubelet),
+            "dra": await dra_rss(ws, plan, notify),
+        }
     except BaseException:
         if proc is not None:
             sys.stderr.write(proc.log()[-4000:])
