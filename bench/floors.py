@@ -8,8 +8,9 @@
     floors.py import-groups dp|dra         import what the daemon loads, group by group, printing
                                            "GROUP RSS_KIB" after each (dp ends with prometheus_client,
                                            which the daemon does not load, for reference)
-    floors.py uevent-wake SOURCE           a bare pyudev monitor (misc subsystem); print the monotonic
-                                           time of each wake-up
+    floors.py uevent-wake SOURCE           a bare pyudev monitor (misc subsystem, KVM's VM announcements
+                                           dropped as the daemon has them); print the monotonic time of
+                                           each wake-up
     floors.py echo SOCKET                  a minimal grpc.aio unary echo server on a unix socket
     floors.py register DIR                 a minimal plugin: serve DIR/floor.sock, watch DIR with inotify,
                                            and Register once each time kubelet.sock is created
@@ -131,9 +132,12 @@ def uevent_wake(source: str) -> int:
 
     import pyudev
 
+    from ate_devplugd import kvm_events
+
     monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=source)
     monitor.filter_by("misc")
     monitor.start()
+    kvm_events.drop_in_kernel(monitor.fileno())  # wakes when the daemon would: not for a VM's start or end
     poller = select.poll()
     poller.register(monitor.fileno(), select.POLLIN)
     _up()
