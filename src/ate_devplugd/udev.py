@@ -119,7 +119,7 @@ class UdevWatcher:
             kvm_events.drop_in_kernel(self._monitor.fileno())
         except OSError as exc:
             self._kernel_filter = False
-            log.debug("KVM VM announcements are left out after they are read: no socket filter (%s)", exc)
+            log.info("no socket filter for KVM's VM announcements (%s): they are left out after they are read", exc)
 
     def set_subsystems(self, subsystems: Iterable[str]) -> None:
         """Change the in-kernel filter (on reload); libudev's new one gets the VM-announcement filter in front."""

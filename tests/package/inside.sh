@@ -161,6 +161,11 @@ journal_fields() {
 }
 check "journalctl -o json carries ATE_RESOURCE and ATE_EVENT" journal_fields
 
+no_filter_line() {
+    ! journalctl -u "$unit" -o cat | grep -F "no socket filter for KVM's VM announcements" >&2
+}
+check "socket filter for KVM's VM announcements in place under the hardened unit" no_filter_line
+
 metrics_written() {
     wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1' "$metrics_file" &&
         [ "$(stat -c %a "$metrics_file")" = 644 ]
