@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -685,28 +686,44 @@ async def vm_lifecycles_with_udevd(
         return {"skipped": "udevd is not installed (apt-get install udev)"}
     udevd = Udevd()
     udevd.start()
-    proc: DaemonProcess | None = None
     seen = KernelUevents()
     try:
         await udevd.ready()
         kubelet.drain()
         notify.forget()
-        proc = await spawn_daemon(ws)
-        await notify.wait_for(is_ready, 20)
-        await kubelet.next_event("list", resource=RESOURCE, timeout=20)
-        await asyncio.sleep(1.0)
-        if "following kernel uevents" in proc.log():
-            raise RuntimeError("the daemon did not take udevd's events")
-        out = {"source": "udev", **await vm_lifecycles(proc.pid, ws, plan, seen, settle=True)}
-        await proc.stop()
-        check_exit(proc)
-        return out
+        async with running_daemon(ws, ws.config) as proc:
+            await notify.wait_for(is_ready, 20)
+            await kubelet.next_event("list", resource=RESOURCE, timeout=20)
+            await asyncio.sleep(1.0)
+            if "following kernel uevents" in proc.log():
+                raise RuntimeError("the daemon did not take udevd's events")
+            return {"source": "udev", **await vm_lifecycles(proc.pid, ws, plan, seen, settle=True)}
     finally:
         seen.close()
-        if proc is not None and proc.proc is not None and proc.proc.returncode is None:
+        udevd.stop()
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(ws: Workspace, config: Path) -> AsyncIterator[DaemonProcess]:
+    """A daemon on ``config``, stopped at the end (it must exit 0), killed if the block failed."""
+    proc = await spawn_daemon(ws, config)
+    try:
+        yield proc
+        await proc.stop()
+        check_exit(proc)
+    finally:
+        if proc.proc is not None and proc.proc.returncode is None:
             proc.proc.kill()
             await proc.proc.wait()
-        udevd.stop()
+
+
+async def rss_around(pid: int, load: Callable[[], Awaitable[object]]) -> dict[str, int]:
+    """RSS once the start has settled, and again after ``load``."""
+    await asyncio.sleep(1.0)
+    start = rss_kib(pid)
+    await load()
+    await asyncio.sleep(1.0)
+    return {"start_kib": start, "loaded_kib": rss_kib(pid)}
 
 
 async def import_groups(reps: int) -> dict[str, dict[str, int]]:
@@ -738,22 +755,10 @@ async def metrics_off_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver, kub
     """RSS of device-plugin mode with ``metrics_file = ""``: after start, and after the same load."""
     kubelet.drain()
     notify.forget()
-    proc = await spawn_daemon(ws, ws.write_config("no-metrics.toml", metrics=False))
-    try:
+    async with running_daemon(ws, ws.write_config("no-metrics.toml", metrics=False)) as proc:
         await notify.wait_for(is_ready, 20)
         await kubelet.next_event("list", resource=RESOURCE, timeout=20)
-        await asyncio.sleep(1.0)
-        start = rss_kib(proc.pid)
-        await standard_load(kubelet, plan)
-        await asyncio.sleep(1.0)
-        loaded = rss_kib(proc.pid)
-        await proc.stop()
-        check_exit(proc)
-    finally:
-        if proc.proc is not None and proc.proc.returncode is None:
-            proc.proc.kill()
-            await proc.proc.wait()
-    return {"start_kib": start, "loaded_kib": loaded}
+        return await rss_around(proc.pid, lambda: standard_load(kubelet, plan))
 
 
 async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str, int]:
@@ -777,31 +782,26 @@ async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str
     )
     kubelet = FakeDraKubelet(kubelet_dir)
     notify.forget()
-    proc = await spawn_daemon(ws, ws.write_config("dra.toml", dra=dra))
-    try:
-        await kubelet.start()
-        await notify.wait_for(is_ready, 20)
-        await kubelet.next_event("registered", timeout=20)
-        await notify.wait_for(lambda f: "slice published (" in f.get("STATUS", ""), 20)
-        await asyncio.sleep(1.0)
-        start = rss_kib(proc.pid)
+
+    async def claims() -> None:
         for i in range(plan.dra_claims):
             name = f"vm-{i}"
             result = {"request": "kvm", "driver": driver, "pool": f"{NODE}/{RESOURCE}", "device": f"kvm-{i % 128}"}
             claim = ("default", api.add_claim("default", name, [result]), name)
             await kubelet.prepare(driver, claim)
             await kubelet.unprepare(driver, claim)
-        await asyncio.sleep(1.0)
-        loaded = rss_kib(proc.pid)
-        await proc.stop()
-        check_exit(proc)
+
+    try:
+        async with running_daemon(ws, ws.write_config("dra.toml", dra=dra)) as proc:
+            await kubelet.start()
+            await notify.wait_for(is_ready, 20)
+            await kubelet.next_event("registered", timeout=20)
+            await notify.wait_for(lambda f: "slice published (" in f.get("STATUS", ""), 20)
+            rss = await rss_around(proc.pid, claims)
     finally:
-        if proc.proc is not None and proc.proc.returncode is None:
-            proc.proc.kill()
-            await proc.proc.wait()
         await kubelet.stop()
         await api.stop()
-    return {"start_kib": start, "loaded_kib": loaded, "claims": plan.dra_claims}
+    return {**rss, "claims": plan.dra_claims}
 
 
 # -- the run -------------------------------------------------------------------------------------

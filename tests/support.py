@@ -194,6 +194,35 @@ async def vm_storm(node: Path | str = "/dev/kvm", count: int = 0) -> AsyncIterat
         await proc.wait()
 
 
+async def vm_storm_then_removal(
+    kubelet: FakeKubelet, proc: DaemonProcess, dev_root: Path, count: int, tell: Callable[[], object]
+) -> tuple[str, int]:
+    """``count`` VMs started and stopped on ``dev_root``'s kvm node while ``proc`` runs, until the kernel
+    has announced them all; then the node removed and ``tell()`` (a uevent that says so, run in a
+    thread): kubelet's next list must be Unhealthy. Returns the daemon's log by then, and how many
+    uevents on kvm that are not KVM's announcements (ours included) the kernel sent meanwhile."""
+    seen = KernelUevents()
+    try:
+        async with vm_storm(dev_root / "dev" / "kvm", count) as storm:
+            assert storm.stdout is not None
+            made = int((await storm.stdout.readline()).split()[0])
+        await seen.wait_announcements(2 * made)
+        (dev_root / "dev" / "kvm").unlink()
+        await asyncio.to_thread(tell)
+        assert (await kubelet.next_event("list")).healthy == 0, proc.log()
+        return proc.log(), len(seen.other_kvm)
+    finally:
+        seen.close()
+
+
+def assert_vms_made_no_hint(log: str, other_kvm: int) -> None:
+    """The daemon's debug log shows a hint for our uevent, and for any other test run's meanwhile, but
+    none for KVM's announcements, and none was read only to be left out (the socket filter dropped them)."""
+    hints = [line for line in log.splitlines() if " uevent change misc/kvm" in line]
+    assert 1 <= len(hints) <= other_kvm, (len(hints), other_kvm)
+    assert "left out" not in log, "announcements got past the socket filter"
+
+
 class Udevd:
     """udevd for a test or the bench: the host's if one runs, else one started here and, at ``stop()``,
     ended, /run/udev removed and /dev/kvm's owner and mode put back (its rules may set them again).
