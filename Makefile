@@ -22,7 +22,9 @@ PYTEST_ARGS ?=
 # Debian's own runtime (what the .deb depends on), the protoc that makes the committed code,
 # build needs of systemd-python for the venv, udev for the real-uevent tests, strace, podman
 # with runc (a real CDI consumer) and containerd 1.6 (CRI, as kubelet drives it) plus libc6-dev
-# (static libc) for the container tests' checker, node_exporter and promtool (the real readers of the metrics file), and aiohttp, PyYAML and
+# (static libc) for the container tests' checker, node_exporter and promtool (the real readers of the
+# metrics file) and prometheus_client (whose parser reads it in the tests; the daemon does not use it),
+# and aiohttp, PyYAML and
 # cryptography for the DRA mode and its fake API server's certificates.
 APT_PACKAGES := python3 python3-venv python3-dev python3-grpcio python3-protobuf python3-systemd \
                 python3-pyudev python3-pytest python3-hypothesis python3-prometheus-client \

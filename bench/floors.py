@@ -2,10 +2,15 @@
 
     floors.py import-ready NOTIFY_SOCKET   import grpc, protobuf, pyudev, systemd; send READY=1; exit
     floors.py idle-import                  import grpc; print "up"; wait for stdin to close (RSS floor)
-    floors.py idle-libraries SOCKET        every library the daemon loads, and one grpc.aio server
-                                           serving SOCKET; wait for stdin to close (RSS floor)
-    floors.py uevent-wake SOURCE           a bare pyudev monitor (misc subsystem); print the monotonic
-                                           time of each wake-up
+    floors.py idle-libraries SOCKET [dra]  every library the daemon loads (with dra: DRA mode's too),
+                                           and one grpc.aio server serving SOCKET; wait for stdin to
+                                           close (RSS floor)
+    floors.py import-groups dp|dra         import what the daemon loads, group by group, printing
+                                           "GROUP RSS_KIB" after each (dp ends with prometheus_client,
+                                           which the daemon does not load, for reference)
+    floors.py uevent-wake SOURCE           a bare pyudev monitor (misc subsystem, KVM's VM announcements
+                                           dropped as the daemon has them); print the monotonic time of
+                                           each wake-up
     floors.py echo SOCKET                  a minimal grpc.aio unary echo server on a unix socket
     floors.py register DIR                 a minimal plugin: serve DIR/floor.sock, watch DIR with inotify,
                                            and Register once each time kubelet.sock is created
@@ -47,7 +52,7 @@ def idle_import() -> int:
     return 0
 
 
-def idle_libraries(socket_path: str) -> int:
+def idle_libraries(socket_path: str, mode: str = "dp") -> int:
     import asyncio
 
     import grpc
@@ -58,6 +63,11 @@ def idle_libraries(socket_path: str) -> int:
 
     del daemon, api_pb2_grpc
     pyudev.Context()
+    if mode == "dra":
+        import aiohttp
+        import yaml
+
+        del aiohttp, yaml
 
     async def serve() -> None:
         server = grpc.aio.server()
@@ -71,14 +81,63 @@ def idle_libraries(socket_path: str) -> int:
     return 0
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def import_groups(mode: str) -> int:
+    """RSS after each group of imports, in the order the daemon loads them (the journal as under systemd)."""
+
+    def step(group: str) -> None:
+        sys.stdout.write(f"{group}\t{_rss_kib()}\n")
+
+    step("interpreter")
+    import grpc
+    import grpc.aio
+
+    from ate_devplugd._pb import api_pb2, api_pb2_grpc
+
+    step("grpc, protobuf, generated code")
+    import asyncio
+
+    import pyudev
+    from systemd import journal
+
+    pyudev.Context()
+    step("asyncio, pyudev, systemd.journal")
+    from ate_devplugd import cli, daemon
+
+    step("the daemon's modules")
+    if mode == "dra":
+        from ate_devplugd.dra import mode as dra_mode
+
+        del dra_mode
+        step("DRA mode: aiohttp, PyYAML, dra/")
+    else:
+        import prometheus_client
+
+        del prometheus_client
+        step("prometheus_client")
+    del grpc, api_pb2, api_pb2_grpc, asyncio, journal, cli, daemon
+    sys.stdout.flush()
+    return 0
+
+
 def uevent_wake(source: str) -> int:
     import select
 
     import pyudev
 
+    from ate_devplugd import kvm_events
+
     monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=source)
     monitor.filter_by("misc")
     monitor.start()
+    kvm_events.drop_in_kernel(monitor.fileno())  # wakes when the daemon would: not for a VM's start or end
     poller = select.poll()
     poller.register(monitor.fileno(), select.POLLIN)
     _up()
@@ -179,19 +238,18 @@ def register(directory: str) -> int:
 
 def main(argv: list[str]) -> int:
     mode, *args = argv
-    if mode == "import-ready":
-        return import_ready(*args)
-    if mode == "idle-import":
-        return idle_import()
-    if mode == "idle-libraries":
-        return idle_libraries(*args)
-    if mode == "uevent-wake":
-        return uevent_wake(*args)
-    if mode == "echo":
-        return echo(*args)
-    if mode == "register":
-        return register(*args)
-    raise SystemExit(f"unknown floor {mode!r}")
+    floors = {
+        "import-ready": import_ready,
+        "idle-import": idle_import,
+        "idle-libraries": idle_libraries,
+        "import-groups": import_groups,
+        "uevent-wake": uevent_wake,
+        "echo": echo,
+        "register": register,
+    }
+    if mode not in floors:
+        raise SystemExit(f"unknown floor {mode!r}")
+    return int(floors[mode](*args))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,15 @@ from ate_devplugd._pb import api_pb2
 from ate_devplugd.config import DeviceConfig
 from ate_devplugd.devices import Presence, Resource
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import DaemonProcess, NotifyReceiver, make_kvm_node, subprocess_env
+from tests.support import (
+    DaemonProcess,
+    KernelUevents,
+    NotifyReceiver,
+    Udevd,
+    make_kvm_node,
+    subprocess_env,
+    vm_storm,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
@@ -66,6 +75,10 @@ class Plan:
     law_reps: tuple[tuple[int, int], ...]  # (count, builds)
     idle: float
     strace: float
+    vm_lifecycles: int  # VMs started and stopped per round
+    vm_rounds: int
+    dra_claims: int  # claims prepared and unprepared before DRA mode's RSS after load
+    import_reps: int
 
 
 FULL = Plan(
@@ -77,6 +90,10 @@ FULL = Plan(
     law_reps=((4096, 50), (65536, 8)),
     idle=60.0,
     strace=10.0,
+    vm_lifecycles=1000,
+    vm_rounds=5,
+    dra_claims=500,
+    import_reps=3,
 )
 QUICK = Plan(
     starts=3,
@@ -87,6 +104,10 @@ QUICK = Plan(
     law_reps=((4096, 5), (65536, 2)),
     idle=2.0,
     strace=1.0,
+    vm_lifecycles=50,
+    vm_rounds=1,
+    dra_claims=10,
+    import_reps=1,
 )
 
 
@@ -161,13 +182,22 @@ class Workspace:
         self.plugin_dir.mkdir(mode=0o750)
         self.floor_dir = self.dir / "floor-plugins"
         self.floor_dir.mkdir(mode=0o750)
-        self.config = self.dir / "config.toml"
-        self.config.write_text(
-            f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n'
-            f'metrics_file = "{self.dir / "ate-devplugd.prom"}"\ncdi_dir = "{self.dir / "cdi"}"\n\n'
-            f'[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
-        )
+        self.config = self.write_config("config.toml")
         self.notify_path = self.dir / "notify.sock"
+
+    def write_config(self, name: str, *, metrics: bool = True, dra: str = "") -> Path:
+        """The bench's config: the kvm resource with its probe, metrics in the temp dir (or off), CDI
+        specs there; ``dra``: the [dra] table (DRA mode, where every device has a CDI spec)."""
+        path = self.dir / name
+        metrics_file = self.dir / "ate-devplugd.prom" if metrics else ""
+        path.write_text(
+            f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n'
+            f'metrics_file = "{metrics_file}"\ncdi_dir = "{self.dir / "cdi"}"\n'
+            + ('mode = "dra"\n' if dra else "")
+            + f'\n[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
+            + ("cdi = true\n\n" + dra if dra else "")
+        )
+        return path
 
     def make_node(self) -> None:
         make_kvm_node(self.dev_root)
@@ -176,9 +206,9 @@ class Workspace:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def spawn_daemon(ws: Workspace) -> DaemonProcess:
+async def spawn_daemon(ws: Workspace, config: Path | None = None) -> DaemonProcess:
     env = subprocess_env(NOTIFY_SOCKET=str(ws.notify_path), WATCHDOG_USEC=str(WATCHDOG_USEC))
-    return await DaemonProcess(ws.config, env=env, log_level="info").start()
+    return await DaemonProcess(config or ws.config, env=env, log_level="info").start()
 
 
 def check_exit(proc: DaemonProcess) -> None:
@@ -465,9 +495,14 @@ def list_and_watch(plan: Plan) -> dict[str, object]:
 
 async def floor_rss(ws: Workspace) -> dict[str, int]:
     """RSS of a process that only imports grpc, and of one that loads every library the daemon
-    uses and serves one grpc.aio server."""
+    uses and serves one grpc.aio server (and of one that also loads DRA mode's libraries)."""
     out = {}
-    for name, args in (("import_grpc", ()), ("libraries_and_server", (str(ws.dir / "rss-floor.sock"),))):
+    sock = str(ws.dir / "rss-floor.sock")
+    for name, args in (
+        ("import_grpc", ()),
+        ("libraries_and_server", (sock,)),
+        ("dra_libraries_and_server", (sock, "dra")),
+    ):
         proc = await spawn_floor("idle-import" if not args else "idle-libraries", *args)
         try:
             await asyncio.sleep(0.5)
@@ -580,6 +615,195 @@ async def strace_idle(pid: int, window: float, work: Path) -> dict[str, object]:
     return {"window_s": window, "syscalls": calls}
 
 
+async def vm_lifecycles(pid: int, ws: Workspace, plan: Plan, seen: KernelUevents, settle: bool) -> dict[str, object]:
+    """The daemon's CPU and main-thread wake-ups while VMs start and stop back to back (a real
+    KVM_CREATE_VM loop on the kvm node: each VM makes the kernel announce its start and its end),
+    and in a quiet window just as long right after (the floor): ``vm_rounds`` rounds, in turn.
+
+    A round ends once every announcement has reached the bench's own netlink socket and, with udevd
+    (``settle``), once udevd has handled them all (udevadm settle), so nothing the daemon might be
+    sent is left outside the window.
+    """
+    busy: list[float] = []
+    quiet: list[float] = []
+    busy_main: list[float] = []
+    quiet_main: list[float] = []
+    made_all = 0
+    took_all = 0.0
+    other_kvm = 0
+    for _ in range(plan.vm_rounds):
+        before, t0 = threads(pid), time.monotonic()
+        announced, others = seen.announcements, len(seen.other_kvm)
+        async with vm_storm(ws.node, plan.vm_lifecycles) as storm:
+            assert storm.stdout is not None
+            made_text, took_text = (await storm.stdout.readline()).split()
+        made = int(made_text)
+        await seen.wait_announcements(announced + 2 * made)
+        if settle:
+            await (await asyncio.create_subprocess_exec("udevadm", "settle", "--timeout=60")).wait()
+        after, t1 = threads(pid), time.monotonic()
+        other_kvm += len(seen.other_kvm) - others
+        await asyncio.sleep(t1 - t0)
+        rest = threads(pid)
+        per_thousand = 1000 / made
+        busy.append(_cpu_ms(before, after) * per_thousand)
+        quiet.append(_cpu_ms(after, rest) * per_thousand)
+        busy_main.append(_switches(pid, before, after) * per_thousand)
+        quiet_main.append(_switches(pid, after, rest) * per_thousand)
+        made_all += made
+        took_all += float(took_text)
+    return {
+        "lifecycles": made_all,
+        "rounds": plan.vm_rounds,
+        "uevents_seen": seen.announcements,
+        "vm_per_s": round(made_all / took_all) if took_all else 0,
+        "window_s_per_1000": round((t1 - t0) * 1000 / made, 2),
+        "cpu_ms_per_1000": round(statistics.median(busy), 2),
+        "quiet_cpu_ms": round(statistics.median(quiet), 2),
+        "quiet_cpu_ms_range": [round(min(quiet), 2), round(max(quiet), 2)],
+        "busy_cpu_ms_all": [round(x, 2) for x in busy],
+        "main_wakeups_per_1000": round(statistics.median(busy_main), 1),
+        "quiet_main_wakeups": round(statistics.median(quiet_main), 1),
+        "other_kvm_uevents": other_kvm,
+        "lost": seen.lost,
+    }
+
+
+def _cpu_ms(before: dict[int, ThreadSample], after: dict[int, ThreadSample]) -> float:
+    return sum(s.cpu_ns - before[t].cpu_ns for t, s in after.items() if t in before) / 1e6
+
+
+def _switches(pid: int, before: dict[int, ThreadSample], after: dict[int, ThreadSample]) -> int:
+    return after[pid].switches - before[pid].switches
+
+
+async def vm_lifecycles_with_udevd(
+    ws: Workspace, plan: Plan, notify: NotifyReceiver, kubelet: FakeKubelet
+) -> dict[str, object]:
+    """The same with udevd running (the daemon then reads udevd's events, sent after its rules): the
+    host's udevd, or one started for this and stopped after (/dev/kvm's owner and mode put back)."""
+    if not Udevd.can_start():
+        return {"skipped": "udevd is not installed (apt-get install udev)"}
+    udevd = Udevd()
+    udevd.start()
+    seen = KernelUevents()
+    try:
+        await udevd.ready()
+        kubelet.drain()
+        notify.forget()
+        async with running_daemon(ws, ws.config) as proc:
+            await notify.wait_for(is_ready, 20)
+            await kubelet.next_event("list", resource=RESOURCE, timeout=20)
+            await asyncio.sleep(1.0)
+            if "following kernel uevents" in proc.log():
+                raise RuntimeError("the daemon did not take udevd's events")
+            return {"source": "udev", **await vm_lifecycles(proc.pid, ws, plan, seen, settle=True)}
+    finally:
+        seen.close()
+        udevd.stop()
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(ws: Workspace, config: Path) -> AsyncIterator[DaemonProcess]:
+    """A daemon on ``config``, stopped at the end (it must exit 0), killed if the block failed."""
+    proc = await spawn_daemon(ws, config)
+    try:
+        yield proc
+        await proc.stop()
+        check_exit(proc)
+    finally:
+        if proc.proc is not None and proc.proc.returncode is None:
+            proc.proc.kill()
+            await proc.proc.wait()
+
+
+async def rss_around(pid: int, load: Callable[[], Awaitable[object]]) -> dict[str, int]:
+    """RSS once the start has settled, and again after ``load``."""
+    await asyncio.sleep(1.0)
+    start = rss_kib(pid)
+    await load()
+    await asyncio.sleep(1.0)
+    return {"start_kib": start, "loaded_kib": rss_kib(pid)}
+
+
+async def import_groups(reps: int) -> dict[str, dict[str, int]]:
+    """RSS after each group of the daemon's imports (floors.py import-groups), median of ``reps`` runs,
+    for device-plugin mode (then prometheus_client, which it does not load) and for DRA mode."""
+    out: dict[str, dict[str, int]] = {}
+    for mode in ("dp", "dra"):
+        runs: dict[str, list[int]] = {}
+        for _ in range(reps):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(FLOORS), "import-groups", mode, stdout=subprocess.PIPE, env=child_env()
+            )
+            stdout, _ = await proc.communicate()
+            for line in stdout.decode().splitlines():
+                group, kib = line.split("\t")
+                runs.setdefault(group, []).append(int(kib))
+        out[mode] = {group: round(statistics.median(values)) for group, values in runs.items()}
+    return out
+
+
+async def standard_load(kubelet: FakeKubelet, plan: Plan) -> None:
+    """What the measured daemon goes through before its RSS after load: kubelet restarts, then Allocates."""
+    for _ in range(plan.restarts + WARM_UP):
+        await _restart_once(kubelet, RESOURCE)
+    await allocates(kubelet, plan)
+
+
+async def metrics_off_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver, kubelet: FakeKubelet) -> dict[str, int]:
+    """RSS of device-plugin mode with ``metrics_file = ""``: after start, and after the same load."""
+    kubelet.drain()
+    notify.forget()
+    async with running_daemon(ws, ws.write_config("no-metrics.toml", metrics=False)) as proc:
+        await notify.wait_for(is_ready, 20)
+        await kubelet.next_event("list", resource=RESOURCE, timeout=20)
+        return await rss_around(proc.pid, lambda: standard_load(kubelet, plan))
+
+
+async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str, int]:
+    """RSS of DRA mode against the fake API server (TLS, a client certificate as kubelet's own) and
+    the fake DRA kubelet: after start (registered, slice published), and after ``dra_claims`` claims
+    prepared and unprepared one by one (each read from the API server)."""
+    from tests.fakes.apiserver import FakeApiServer
+    from tests.fakes.certs import make_pki
+    from tests.fakes.dra_kubelet import FakeDraKubelet
+    from tests.integration.dra_rig import NODE, write_kubeconfig
+
+    driver = "kvm.ate.dev"
+    pki = make_pki(ws.dir / "pki")
+    api = FakeApiServer(NODE, pki=pki)
+    await api.start()
+    kubeconfig = write_kubeconfig(ws.dir / "kubeconfig", api.url, token=None, pki=pki)
+    kubelet_dir = ws.dir / "kubelet"
+    dra = (
+        f'[dra]\ndriver = "{driver}"\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\n'
+        f'kubelet_dir = "{kubelet_dir}"\n'
+    )
+    kubelet = FakeDraKubelet(kubelet_dir)
+    notify.forget()
+
+    async def claims() -> None:
+        for i in range(plan.dra_claims):
+            name = f"vm-{i}"
+            result = {"request": "kvm", "driver": driver, "pool": f"{NODE}/{RESOURCE}", "device": f"kvm-{i % 128}"}
+            claim = ("default", api.add_claim("default", name, [result]), name)
+            await kubelet.prepare(driver, claim)
+            await kubelet.unprepare(driver, claim)
+
+    try:
+        async with running_daemon(ws, ws.write_config("dra.toml", dra=dra)) as proc:
+            await kubelet.start()
+            await notify.wait_for(is_ready, 20)
+            await kubelet.next_event("registered", timeout=20)
+            await notify.wait_for(lambda f: "slice published (" in f.get("STATUS", ""), 20)
+            rss = await rss_around(proc.pid, claims)
+    finally:
+        await kubelet.stop()
+        await api.stop()
+    return {**rss, "claims": plan.dra_claims}
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -604,6 +828,7 @@ async def measure(plan: Plan) -> dict[str, object]:
         # Floors first, with no daemon running beside them.
         progress("floors")
         floors["rss_kib"] = await floor_rss(ws)
+        floors["import_groups_kib"] = await import_groups(plan.import_reps)
         floors["uevent"] = await floor_uevent(plan.uevents)
         floors["allocate"] = await floor_allocates(ws, plan)
         progress("ListAndWatch messages")
@@ -634,8 +859,22 @@ async def measure(plan: Plan) -> dict[str, object]:
         await asyncio.sleep(1.0)
         results["idle"], floors["idle_grpc_server"] = await idle(proc.pid, plan.idle, ws.dir)
         results["idle_strace"] = await strace_idle(proc.pid, plan.strace, ws.dir)
+        progress(f"{plan.vm_rounds} x {plan.vm_lifecycles} VM lifecycles, kernel uevents")
+        seen = KernelUevents()
+        try:
+            lifecycles = {"kernel": {"source": uevent_source(), **await vm_lifecycles(proc.pid, ws, plan, seen, False)}}
+        finally:
+            seen.close()
         await proc.stop()
         check_exit(proc)
+        progress(f"{plan.vm_rounds} x {plan.vm_lifecycles} VM lifecycles, udevd")
+        lifecycles["udevd"] = await vm_lifecycles_with_udevd(ws, plan, notify, kubelet)
+        results["vm_lifecycles"] = lifecycles
+        progress("RSS with metrics off, and in DRA mode")
+        results["rss_by_mode"] = {
+            "metrics_off": await metrics_off_rss(ws, plan, notify, kubelet),
+            "dra": await dra_rss(ws, plan, notify),
+        }
     except BaseException:
         if proc is not None:
             sys.stderr.write(proc.log()[-4000:])

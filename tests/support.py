@@ -21,9 +21,11 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -51,6 +53,8 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 RESOURCE = "ate.dev/kvm"
 SOCKET = "ate.dev-kvm.sock"
 KVM_DEVNUM = (10, 232)
+UDEVD = Path("/lib/systemd/systemd-udevd")
+UDEV_CONTROL = Path("/run/udev/control")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -179,6 +183,155 @@ def kvm_uevent() -> None:
     KVM_UEVENT.write_text("change")
 
 
+#: Creates VMs on the kvm node argv[1], argv[2] of them (0: until killed), one after another: each a
+#: KVM_CREATE_VM and the close of the VM fd, so the kernel announces its start and its end. Prints "up"
+#: once the node is open and, at the end, how many it made and in how many seconds.
+VM_LOOP = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CLOEXEC)
+wanted = int(sys.argv[2])
+print("up", flush=True)
+made, t0 = 0, time.monotonic()
+while wanted == 0 or made < wanted:
+    os.close(fcntl.ioctl(fd, 0xAE01, 0))  # KVM_CREATE_VM
+    made += 1
+print(made, time.monotonic() - t0, flush=True)
+"""
+
+
+@contextlib.asynccontextmanager
+async def vm_storm(node: Path | str = "/dev/kvm", count: int = 0) -> AsyncIterator[asyncio.subprocess.Process]:
+    """VMs started and stopped back to back in a child process (``VM_LOOP``); killed at the end if still going."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", VM_LOOP, str(node), str(count), stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(20):
+            if await proc.stdout.readline() != b"up\n":
+                raise RuntimeError(f"the VM loop did not start (exit {await proc.wait()})")
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def vm_storm_then_removal(
+    kubelet: FakeKubelet, proc: DaemonProcess, dev_root: Path, count: int, tell: Callable[[], object]
+) -> tuple[str, int]:
+    """``count`` VMs started and stopped on ``dev_root``'s kvm node while ``proc`` runs, until the kernel
+    has announced them all; then the node removed and ``tell()`` (a uevent that says so, run in a
+    thread): kubelet's next list must be Unhealthy. Returns the daemon's log by then, and how many
+    uevents on kvm that are not KVM's announcements (ours included) the kernel sent meanwhile."""
+    seen = KernelUevents()
+    try:
+        async with vm_storm(dev_root / "dev" / "kvm", count) as storm:
+            assert storm.stdout is not None
+            made = int((await storm.stdout.readline()).split()[0])
+        await seen.wait_announcements(2 * made)
+        (dev_root / "dev" / "kvm").unlink()
+        await asyncio.to_thread(tell)
+        assert (await kubelet.next_event("list")).healthy == 0, proc.log()
+        return proc.log(), len(seen.other_kvm)
+    finally:
+        seen.close()
+
+
+def assert_vms_made_no_hint(log: str, other_kvm: int) -> None:
+    """The daemon's debug log shows a hint for our uevent, and for any other test run's meanwhile, but
+    none for KVM's announcements, and none was read only to be left out (the socket filter dropped them)."""
+    hints = [line for line in log.splitlines() if " uevent change misc/kvm" in line]
+    assert 1 <= len(hints) <= other_kvm, (len(hints), other_kvm)
+    assert "left out" not in log, "announcements got past the socket filter"
+
+
+class Udevd:
+    """udevd for a test or the bench: the host's if one runs, else one started here and, at ``stop()``,
+    ended, /run/udev removed and /dev/kvm's owner and mode put back (its rules may set them again).
+
+    Starting udevd changes nothing by itself (no coldplug is triggered).
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._saved: os.stat_result | None = None
+
+    @staticmethod
+    def can_start() -> bool:
+        return UDEV_CONTROL.exists() or (UDEVD.exists() and os.geteuid() == 0)
+
+    def start(self) -> None:
+        """Start one unless one runs (a plain child: it may outlive the loop of whoever starts it)."""
+        if UDEV_CONTROL.exists():
+            return
+        kvm = Path("/dev/kvm")
+        self._saved = kvm.stat() if kvm.exists() else None
+        self.proc = subprocess.Popen([str(UDEVD)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def ready(self, timeout: float = 20.0) -> None:
+        """Wait until udevd listens (its control socket is there)."""
+        await wait_for_path(UDEV_CONTROL, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.proc = None
+        shutil.rmtree("/run/udev", ignore_errors=True)
+        kvm = Path("/dev/kvm")
+        if self._saved is not None and kvm.exists():
+            os.chown(kvm, self._saved.st_uid, self._saved.st_gid)
+            os.chmod(kvm, self._saved.st_mode & 0o7777)
+
+
+class KernelUevents:
+    """The kernel's own uevents (netlink group 1, as the daemon reads them without udevd), read on the
+    loop: KVM's VM announcements are counted, every other uevent on kvm is kept."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, 15)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+        self.sock.bind((0, 1))
+        self.announcements = 0
+        self.other_kvm: list[bytes] = []
+        #: The receive buffer overflowed at least once (counts are then lower bounds).
+        self.lost = False
+        self._changed = asyncio.Event()
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._read)
+
+    def _read(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                try:
+                    message = self.sock.recv(65536)
+                except OSError as exc:
+                    if exc.errno != errno.ENOBUFS:
+                        raise
+                    self.lost = True
+                    continue
+                if not message.startswith(
+                    (b"change@/devices/virtual/misc/kvm\0", b"remove@/devices/virtual/misc/kvm\0")
+                ):
+                    continue
+                if b"\0CREATED=" in message and b"\0EVENT=" in message:
+                    self.announcements += 1
+                else:
+                    self.other_kvm.append(message)
+                self._changed.set()
+
+    async def wait_announcements(self, count: int, timeout: float = 30.0) -> None:
+        async with asyncio.timeout(timeout):
+            while self.announcements < count:
+                self._changed.clear()
+                await self._changed.wait()
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.sock.close()
+
+
 class FakeKernel:
     """A KernelView with a table of character nodes instead of the real ones, sysfs and ioctls.
 
@@ -195,6 +348,8 @@ class FakeKernel:
         self.open_error: OSError | None = None
         self.create_vm_error: OSError | None = None
         self.opened: list[str] = []
+        #: Calls of each KernelView method: one ``stat_node`` per device per look.
+        self.calls: collections.Counter[str] = collections.Counter()
 
     def add_node(self, path: Path | str, devnum: tuple[int, int] = KVM_DEVNUM) -> None:
         self.nodes[str(path)] = devnum
@@ -203,6 +358,7 @@ class FakeKernel:
         self.nodes.pop(str(path), None)
 
     def stat_node(self, path: str) -> NodeStat:
+        self.calls["stat_node"] += 1
         if path in self.nodes:
             return NodeStat(True, *self.nodes[path])
         st = os.stat(path)
@@ -217,6 +373,7 @@ class FakeKernel:
         return self.static.get(path)
 
     def kvm_api_version(self, path: str) -> int:
+        self.calls["kvm_api_version"] += 1
         self._check(path, self.kvm_error)
         return self.kvm_version
 
@@ -235,10 +392,32 @@ class FakeKernel:
 
 
 class FakeUEvent:
-    """What the daemon reads of a pyudev Device."""
+    """What the daemon reads of a pyudev Device (``properties``: the uevent's KEY=VALUE pairs)."""
 
-    def __init__(self, action: str, subsystem: str, sys_name: str, device_node: str | None) -> None:
+    def __init__(
+        self,
+        action: str,
+        subsystem: str,
+        sys_name: str,
+        device_node: str | None,
+        properties: dict[str, str] | None = None,
+    ) -> None:
         self.action, self.subsystem, self.sys_name, self.device_node = action, subsystem, sys_name, device_node
+        self.properties = {"ACTION": action, "SUBSYSTEM": subsystem, **(properties or {})}
+
+
+def vm_properties(event: str, pid: int = 4242, created: int = 1, count: int = 1) -> dict[str, str]:
+    """The properties kvm_uevent_notify_change (virt/kvm/kvm_main.c) adds to its change uevent on misc/kvm."""
+    return {
+        "CREATED": str(created),
+        "COUNT": str(count),
+        "EVENT": event,
+        "PID": str(pid),
+        "STATS_PATH": f"/kvm/{pid}-{created}",
+        "MAJOR": str(KVM_DEVNUM[0]),
+        "MINOR": str(KVM_DEVNUM[1]),
+        "DEVNAME": "kvm",
+    }
 
 
 class FakeMonitor:
@@ -250,9 +429,13 @@ class FakeMonitor:
         self.filters: set[str] = set()
         self.started = False
 
-    def emit(self, action: str = "change", subsystem: str = "misc", sys_name: str = "kvm") -> None:
+    def emit(self, action: str = "change", subsystem: str = "misc", sys_name: str = "kvm", **properties: str) -> None:
         """Queue one event, as the kernel or udevd sends it."""
-        self._queue(FakeUEvent(action, subsystem, sys_name, f"/dev/{sys_name}"))
+        self._queue(FakeUEvent(action, subsystem, sys_name, f"/dev/{sys_name}", properties))
+
+    def emit_vm(self, event: str = "create", pid: int = 4242, created: int = 1, count: int = 1) -> None:
+        """Queue KVM's announcement of a VM created or torn down (a change on misc/kvm)."""
+        self.emit("change", "misc", "kvm", **vm_properties(event, pid, created, count))
 
     def fail(self, error: OSError) -> None:
         """Make the next receive fail with ``error`` (ENOBUFS: the kernel dropped events)."""

@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from ate_devplugd import __version__
 from ate_devplugd import config as configmod
@@ -62,7 +61,6 @@ def _parser() -> argparse.ArgumentParser:
     def add_config(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--config",
-            type=Path,
             metavar="PATH",
             help=f"config file (default {DEFAULT_CONFIG_PATH}, if it exists)",
         )
@@ -211,7 +209,7 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
     return EX_FAILURE if any(row.error for row in rows) else os.EX_OK
 
 
-def _doctor(config_path: Path | None, *, as_json: bool) -> int:
+def _doctor(config_path: str | None, *, as_json: bool) -> int:
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
     from ate_devplugd import doctor  # noqa: PLC0415 - gRPC and the kernel view only for this command
@@ -223,6 +221,9 @@ def _doctor(config_path: Path | None, *, as_json: bool) -> int:
 
 
 def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) -> int:
+    from ate_devplugd import malloc  # noqa: PLC0415 - before gRPC and its threads
+
+    malloc.one_arena()
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
     from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon

@@ -9,12 +9,12 @@ reported together.
 from __future__ import annotations
 
 import dataclasses
+import os
 import posixpath
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import device_config
@@ -23,7 +23,7 @@ from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml
 if TYPE_CHECKING:
     from ate_devplugd.dra.config import DraConfig
 
-DEFAULT_CONFIG_PATH = Path("/etc/ate-devplugd/config.toml")
+DEFAULT_CONFIG_PATH = "/etc/ate-devplugd/config.toml"
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 #: CDI's standard directory for specs a program writes at run time (containerd, CRI-O and podman read it).
 DEFAULT_CDI_DIR = "/var/run/cdi"
@@ -102,14 +102,15 @@ def diff(old: Config, new: Config) -> ConfigDiff:
     )
 
 
-def load(path: Path | None, gid_of: GroupLookup = host_gid) -> Config:
+def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) -> Config:
     """Read and validate the config file; ``None`` or a missing default file gives the defaults."""
     if path is None:
-        if not DEFAULT_CONFIG_PATH.exists():
+        if not os.path.exists(DEFAULT_CONFIG_PATH):
             return Config()
         path = DEFAULT_CONFIG_PATH
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: cannot read: {exc}"]) from exc
     return parse(text, source=str(path), gid_of=gid_of)

@@ -163,7 +163,7 @@ class Daemon:
         self._ready = True
         self._notifier.ready(self.status_line())
         self._events.info("ready", "ready: %s", self.status_line())
-        # Metrics from now on: the first write (and prometheus_client's import) comes after READY.
+        # Metrics from now on: the first write comes after READY.
         self._metrics.on_change = self._metrics_file.changed
         self._metrics_file.start()
         self._ask_runtime()

@@ -88,7 +88,7 @@ def fail(check: str, message: str, remedy: str = "") -> Finding:
 # -- the run ---------------------------------------------------------------------------------------
 
 
-async def examine(config_path: Path | None, node: Node) -> list[Finding]:
+async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> list[Finding]:
     """Every check, in order; a config that does not load is the only finding that stops the rest."""
     try:
         cfg = configmod.load(config_path)
@@ -112,7 +112,7 @@ async def examine(config_path: Path | None, node: Node) -> list[Finding]:
 
 def _default_source() -> str:
     path = configmod.DEFAULT_CONFIG_PATH
-    return str(path) if path.exists() else "built-in defaults"
+    return path if os.path.exists(path) else "built-in defaults"
 
 
 def failed(findings: Sequence[Finding]) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import logging
 import os
 import posixpath
@@ -27,6 +26,22 @@ def make_plugin_dir(plugin_dir: str) -> None:
             log.warning("cannot create %s (%s); waiting for it to appear", plugin_dir, exc.strerror)
 
 
+#: An abstract socket name has at most 107 bytes after its leading NUL.
+_MAX_ABSTRACT_NAME = 107
+_LOCK_PREFIX = b"\0ate-devplugd/"
+
+
+def lock_name(plugin_dir: str) -> bytes:
+    """``@ate-devplugd/<real path of plugin_dir>`` (``ss -xl`` shows which directory is held), or, for a
+    path too long for that, ``@ate-devplugd/sha256:<its digest>``."""
+    path = os.path.realpath(plugin_dir).encode()
+    if len(_LOCK_PREFIX) - 1 + len(path) <= _MAX_ABSTRACT_NAME:
+        return _LOCK_PREFIX + path
+    import hashlib  # noqa: PLC0415 - 0.7 MiB of RSS (OpenSSL's digests), only for such a path
+
+    return _LOCK_PREFIX + b"sha256:" + hashlib.sha256(path).hexdigest().encode()
+
+
 class InstanceLock:
     """An abstract unix socket named after the plugin directory: one daemon per directory.
 
@@ -35,8 +50,7 @@ class InstanceLock:
     """
 
     def __init__(self, plugin_dir: str) -> None:
-        digest = hashlib.sha256(os.path.realpath(plugin_dir).encode()).hexdigest()[:32]
-        self.name = b"\0ate-devplugd/" + digest.encode()
+        self.name = lock_name(plugin_dir)
         self._sock: socket.socket | None = None
 
     def acquire(self) -> bool:

@@ -1,8 +1,10 @@
-"""udev netlink events on the asyncio loop: every event is a hint to look at the devices again.
+"""udev netlink events on the asyncio loop: every event that can change a device is a hint to look again.
 
 The monitor's fd goes on the loop with ``add_reader``; when it is readable every queued event is
 drained with ``poll(timeout=0)`` and the owner is called once for the batch. Lost messages (ENOBUFS)
-are reported as a hint too, so looking again puts the state right whatever was dropped.
+are reported as a hint too, so looking again puts the state right whatever was dropped. KVM's own VM
+announcements are not hints (``kvm_events``): the kernel drops them on the monitor's socket, and any
+that get through are left out of the batch.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from ate_devplugd import kvm_events
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,9 @@ class UdevWatcher:
         self._on_hint = on_hint
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1
+        #: KVM VM announcements read and left out (the ones the kernel filter did not drop).
+        self.vm_announcements = 0
+        self._kernel_filter = True
 
     @classmethod
     def open(
@@ -99,22 +106,35 @@ class UdevWatcher:
             self._monitor.filter_by(subsystem)
         self._monitor.start()
         self._fd = self._monitor.fileno()
+        self._drop_vm_announcements()
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._fd, self._drain)
 
+    def _drop_vm_announcements(self) -> None:
+        """Put the VM-announcement filter in front of libudev's own (which libudev installs at start and
+        replaces on each new match); without it they are still left out, only after being read."""
+        if not self._kernel_filter:
+            return
+        try:
+            kvm_events.drop_in_kernel(self._monitor.fileno())
+        except OSError as exc:
+            self._kernel_filter = False
+            log.info("no socket filter for KVM's VM announcements (%s): they are left out after they are read", exc)
+
     def set_subsystems(self, subsystems: Iterable[str]) -> None:
-        """Change the in-kernel filter (on reload)."""
+        """Change the in-kernel filter (on reload); libudev's new one gets the VM-announcement filter in front."""
         wanted = frozenset(subsystems)
         if wanted == self._subsystems:
             return
         try:
             self._monitor.remove_filter()
         except OSError as exc:
-            # A kernel-source monitor has no socket filter to detach; the match list is cleared anyway.
+            # Nothing to detach (no socket filter in place); the match list is cleared anyway.
             log.debug("removing the udev filter: %s", exc)
         for subsystem in sorted(wanted):
             self._monitor.filter_by(subsystem)
         self._subsystems = wanted
+        self._drop_vm_announcements()
 
     def close(self) -> None:
         if self._loop is not None and self._fd >= 0:
@@ -123,6 +143,7 @@ class UdevWatcher:
 
     def _drain(self) -> None:
         events: list[UEvent] = []
+        announcements = 0
         lost = False
         # Bounded: a flood cannot hold the loop; what is left is read on the next wake-up.
         for _ in range(1024):
@@ -137,14 +158,19 @@ class UdevWatcher:
                 raise
             if device is None:
                 break
-            events.append(
-                UEvent(
-                    action=str(device.action or ""),
-                    subsystem=str(device.subsystem or ""),
-                    sys_name=str(device.sys_name or ""),
-                    device_node=device.device_node,
-                )
+            event = UEvent(
+                action=str(device.action or ""),
+                subsystem=str(device.subsystem or ""),
+                sys_name=str(device.sys_name or ""),
+                device_node=device.device_node,
             )
+            if kvm_events.is_vm_announcement(event.action, event.subsystem, event.sys_name, device.properties):
+                announcements += 1
+            else:
+                events.append(event)
+        if announcements:
+            self.vm_announcements += announcements
+            log.debug("%d KVM VM announcement(s) left out: a VM's start or end changes no device", announcements)
         if lost:
             log.warning("udev events were lost (receive buffer full); re-probing every device")
             events.append(UEvent("lost", "", "", None))

@@ -6,6 +6,7 @@ kernel uevents (``change`` written to /sys/class/misc/kvm/uevent).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -19,13 +20,17 @@ import pytest
 
 from tests.support import (
     DaemonProcess,
+    KernelUevents,
     NotifyReceiver,
+    assert_vms_made_no_hint,
     daemon,
     kvm_uevent,
     make_kvm_node,
     run_cli,
     started_kubelet,
     subprocess_env,
+    vm_storm,
+    vm_storm_then_removal,
     wait_for_path,
     write_config,
 )
@@ -264,6 +269,60 @@ class TestHotplug:
                 assert back.healthy == 4096
         finally:
             await kubelet.stop()
+
+
+class TestVmAnnouncements:
+    """Real VMs (KVM_CREATE_VM on the host's kvm) make the kernel announce each start and end; the
+    daemon is never woken for them, and a device change among them is seen at once."""
+
+    async def test_never_reach_the_daemon(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """500 VMs started and stopped: the daemon (debug log) looks again only for the uevents that are
+        not KVM's announcements, and none of these got past the kernel's filter to be left out later."""
+        kubelet = await started_kubelet(plugin_dir)
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        try:
+            async with daemon(cfg) as proc:
+                await kubelet.next_event("list")
+                log, other_kvm = await vm_storm_then_removal(kubelet, proc, dev_root, 500, kvm_uevent)
+        finally:
+            await kubelet.stop()
+        assert_vms_made_no_hint(log, other_kvm)
+
+    async def test_removal_during_a_storm_is_seen_at_once(
+        self, tmp_path: Path, plugin_dir: Path, dev_root: Path
+    ) -> None:
+        """With VMs starting and stopping back to back, the node removed (and a uevent): kubelet hears
+        Unhealthy as fast as without the storm; back, Healthy."""
+        kubelet = await started_kubelet(plugin_dir)
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        seen = KernelUevents()
+        node = dev_root / "dev" / "kvm"
+        loop = asyncio.get_running_loop()
+        try:
+            async with daemon(cfg, "--log-level", "info") as proc:
+                await kubelet.next_event("list")
+                async with vm_storm(node):
+                    await seen.wait_announcements(200)
+                    delays = []
+                    for _ in range(5):
+                        os.unlink(node)
+                        t0 = loop.time()
+                        kvm_uevent()
+                        assert (await kubelet.next_event("list", timeout=10)).healthy == 0, proc.log()
+                        delays.append(loop.time() - t0)
+                        make_kvm_node(dev_root)
+                        kvm_uevent()
+                        assert (await kubelet.next_event("list", timeout=10)).healthy == 4096
+                    storm_announcements = seen.announcements
+        finally:
+            seen.close()
+            await kubelet.stop()
+        delays.sort()
+        print(
+            f"removal -> kubelet sees Unhealthy during a VM storm ({storm_announcements} announcements): "
+            f"median {delays[2] * 1000:.1f} ms, max {delays[-1] * 1000:.1f} ms"
+        )
+        assert delays[-1] < 5.0
 
 
 class TestBadConfig:

@@ -68,7 +68,7 @@ class TestAllRight:
         try:
             async with daemon_in_process(config, kernel):
                 await kubelet.next_event("list")
-                await wait_for_content(Path(config.metrics_file), 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0')
+                await wait_for_content(Path(config.metrics_file), 'ate_devplugd_registered{resource="ate.dev/kvm"} 1')
                 findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: str(binary)))
         finally:
             await kubelet.stop()

@@ -309,6 +309,54 @@ class TestHotplug:
             monitor.close()
 
 
+class TestVmAnnouncements:
+    """KVM's change uevents for a VM's start and end change no device: no look, no probe, nothing logged
+    above debug; a removal among them is seen as soon as it is read."""
+
+    async def test_vm_lifecycles_cost_no_look(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        monitor = FakeMonitor()
+        kubelet = await started_kubelet(plugin_dir)
+        node = fake_root / "dev" / "kvm"
+        try:
+            config = kvm_config(plugin_dir, fake_root, count=16, probe="kvm")
+            async with daemon_in_process(config, kernel, monitor=monitor) as running:
+                assert (await kubelet.next_event("list")).healthy == 16
+                calls, logged = kernel.calls.copy(), len(running.events.records)
+                for pid in range(1000, 1500):  # 500 VMs started and stopped: 1,000 uevents
+                    monitor.emit_vm("create", pid, created=pid, count=1)
+                    monitor.emit_vm("destroy", pid, created=pid, count=0)
+                kernel.remove_node(node)
+                monitor.emit("remove")
+                assert (await kubelet.next_event("list")).healthy == 0
+                # One look (the removal); the node was gone, so no probe either.
+                assert kernel.calls - calls == {"stat_node": 1}
+                after = running.events.records[logged:]
+                assert [r.ATE_EVENT for r in after if r.levelno > logging.DEBUG] == ["device-removed"]  # type: ignore[attr-defined]
+                assert not [r for r in after if r.getMessage().startswith("uevent change misc/kvm")]
+        finally:
+            await kubelet.stop()
+            monitor.close()
+
+    async def test_change_without_vm_properties_is_a_hint(
+        self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A change on misc/kvm that is not KVM's announcement (EVENT alone, no CREATED/COUNT/PID) makes
+        the daemon look again: here it finds the probe failing."""
+        monitor = FakeMonitor()
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            config = kvm_config(plugin_dir, fake_root, count=16, probe="kvm")
+            async with daemon_in_process(config, kernel, monitor=monitor):
+                assert (await kubelet.next_event("list")).healthy == 16
+                kernel.kvm_version = 11
+                monitor.emit_vm("create")
+                monitor.emit("change", EVENT="create")
+                assert (await kubelet.next_event("list")).healthy == 0
+        finally:
+            await kubelet.stop()
+            monitor.close()
+
+
 class TestNotify:
     async def test_stalled_reader_stops_nothing(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel

@@ -17,10 +17,18 @@ import pytest
 
 from tests.fakes.journald import capture_command
 from tests.fakes.kubelet import FakeKubelet
-from tests.support import kvm_uevent, make_kvm_node, subprocess_env, wait_for_path, write_config
-
-UDEVD = Path("/lib/systemd/systemd-udevd")
-UDEV_CONTROL = Path("/run/udev/control")
+from tests.support import (
+    Udevd,
+    assert_vms_made_no_hint,
+    daemon,
+    kvm_uevent,
+    make_kvm_node,
+    started_kubelet,
+    subprocess_env,
+    vm_storm_then_removal,
+    wait_for_path,
+    write_config,
+)
 
 
 class TestJournal:
@@ -76,29 +84,16 @@ class TestJournal:
 
 @pytest.fixture(scope="module")
 def udevd() -> Iterator[None]:
-    """A running udevd: the host's if there is one, else one started for these tests and stopped after.
-
-    Starting udevd changes nothing by itself (no coldplug is triggered); the change events the tests
-    send for kvm may re-apply its rules, so /dev/kvm's mode and group are restored afterwards.
-    """
-    if UDEV_CONTROL.exists():
-        yield
-        return
-    if not UDEVD.exists() or os.geteuid() != 0:
+    """A running udevd for these tests (``tests.support.Udevd``)."""
+    if not Udevd.can_start():
         pytest.skip("udevd is not installed (apt-get install udev) or not root")
-    kvm = Path("/dev/kvm")
-    saved = kvm.stat() if kvm.exists() else None
-    proc = subprocess.Popen([str(UDEVD)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    udevd = Udevd()
     try:
-        asyncio.run(wait_for_path(UDEV_CONTROL, timeout=20))
+        udevd.start()
+        asyncio.run(udevd.ready())
         yield
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        shutil.rmtree("/run/udev", ignore_errors=True)
-        if saved is not None and kvm.exists():
-            os.chown(kvm, saved.st_uid, saved.st_gid)
-            os.chmod(kvm, saved.st_mode & 0o7777)
+        udevd.stop()
 
 
 def udev_change_kvm() -> None:
@@ -153,3 +148,63 @@ class TestUdevHotplug:
             _, err = await proc.communicate()
             await kubelet.stop()
         assert b"following kernel uevents" not in err, "the daemon should use udevd's events"
+
+    async def test_vm_announcements_through_udevd(
+        self, udevd: None, tmp_path: Path, plugin_dir: Path, dev_root: Path
+    ) -> None:
+        """udevd re-sends each of KVM's VM announcements after its rules: the socket filter drops those
+        too, so 300 VMs started and stopped make the daemon look again for none of them."""
+        kubelet = await started_kubelet(plugin_dir)
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+        try:
+            async with daemon(cfg) as proc:
+                await kubelet.next_event("list")
+                # udevd handles one device's events in order: our change comes after its announcements.
+                log, other_kvm = await vm_storm_then_removal(kubelet, proc, dev_root, 300, udev_change_kvm)
+        finally:
+            await kubelet.stop()
+        assert "following kernel uevents" not in log, "the daemon should use udevd's events"
+        assert_vms_made_no_hint(log, other_kvm)
+
+    async def test_udev_touching_the_node_is_not_a_new_node(
+        self, udevd: None, tmp_path: Path, plugin_dir: Path
+    ) -> None:
+        """On each event udevd applies the kvm rule again (group, mode) and touches the node: its ctime
+        moves. The daemon, looking at the host's own /dev/kvm after each change, finds the same device:
+        no device event, the CDI spec and the metrics file stay as they were."""
+        kubelet = await started_kubelet(plugin_dir)
+        devices = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\nprobe = "kvm"\ncdi = true\n'
+        metrics = tmp_path / "m.prom"
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, Path("/"), devices, metrics_file=metrics)
+        spec = tmp_path / "cdi" / "ate.dev-kvm.json"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ate_devplugd", "run", "--config", str(cfg), "--log-target", "console",
+            "--log-level", "debug", stderr=asyncio.subprocess.PIPE, env=subprocess_env(),
+        )  # fmt: skip
+        assert proc.stderr is not None
+        lines: list[str] = []
+
+        async def next_hint() -> None:
+            assert proc.stderr is not None
+            async with asyncio.timeout(10):
+                while " uevent change misc/kvm" not in (line := (await proc.stderr.readline()).decode()):
+                    assert line, "the daemon ended"
+                    lines.append(line)
+
+        try:
+            assert (await kubelet.next_event("list")).healthy == 4096
+            await wait_for_path(metrics)
+            before = [os.stat(p) for p in ("/dev/kvm", spec, metrics)]
+            for _ in range(5):
+                await asyncio.to_thread(udev_change_kvm)
+                await next_hint()
+            after = [os.stat(p) for p in ("/dev/kvm", spec, metrics)]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await proc.communicate()
+            await kubelet.stop()
+        assert after[0].st_ctime_ns > before[0].st_ctime_ns, "udevd should have touched /dev/kvm"
+        for old, new in zip(before[1:], after[1:], strict=True):
+            assert (new.st_ino, new.st_mtime_ns) == (old.st_ino, old.st_mtime_ns)
+        looked = "".join(lines[next(i for i, line in enumerate(lines) if "ready" in line) :])
+        assert "event=device-" not in looked, looked

@@ -199,30 +199,32 @@ class TestDaemonThroughNodeExporter:
         try:
             async with node_exporter(textfiles) as exporter, daemon(cfg) as proc:
                 await kubelet.next_event("list")
-                families = await self.scraped(exporter, metrics, f'ate_devplugd_registered{{resource="{KVM}"}} 1.0')
+                families = await self.scraped(exporter, metrics, f'ate_devplugd_registered{{resource="{KVM}"}} 1\n')
                 assert sample(families, "ate_devplugd_registered", resource=KVM) == 1, proc.log()
                 assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 4096
                 restarts = sample(families, "ate_devplugd_kubelet_restarts_total")
 
                 (dev_root / "dev" / "kvm").unlink()
                 kvm_uevent()
-                families = await self.scraped(exporter, metrics, f'ate_devplugd_device_healthy{{resource="{KVM}"}} 0.0')
+                families = await self.scraped(exporter, metrics, f'ate_devplugd_device_healthy{{resource="{KVM}"}} 0\n')
                 assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 0
                 make_kvm_node(dev_root)
                 kvm_uevent()
-                families = await self.scraped(exporter, metrics, f'ate_devplugd_device_healthy{{resource="{KVM}"}} 1.0')
+                families = await self.scraped(exporter, metrics, f'ate_devplugd_device_healthy{{resource="{KVM}"}} 1\n')
                 assert sample(families, "ate_devplugd_health_transitions_total", resource=KVM) == 2
 
                 allocated = sample(families, "ate_devplugd_allocations_total", resource=KVM)
                 for n in range(5):
                     await kubelet.allocate(KVM, [f"kvm-{n}"])
-                after = f'ate_devplugd_allocations_total{{resource="{KVM}"}} {allocated + 5}'
+                after = f'ate_devplugd_allocations_total{{resource="{KVM}"}} {int(allocated) + 5}\n'
                 families = await self.scraped(exporter, metrics, after)
                 assert sample(families, "ate_devplugd_allocations_total", resource=KVM) == allocated + 5
 
                 await kubelet.restart()
                 await kubelet.next_event("register")
-                families = await self.scraped(exporter, metrics, f"ate_devplugd_kubelet_restarts_total {restarts + 1}")
+                families = await self.scraped(
+                    exporter, metrics, f"ate_devplugd_kubelet_restarts_total {int(restarts) + 1}\n"
+                )
                 assert sample(families, "ate_devplugd_kubelet_restarts_total") == restarts + 1
                 assert sample(families, "ate_devplugd_registrations_total", resource=KVM) == 2
         finally:
@@ -240,7 +242,7 @@ class TestDaemonThroughNodeExporter:
         try:
             async with daemon_in_process(config, kernel):
                 await kubelet.next_event("list")
-                await wait_for_content(textfiles / FILE, f'ate_devplugd_registered{{resource="{KVM}"}} 1.0')
+                await wait_for_content(textfiles / FILE, f'ate_devplugd_registered{{resource="{KVM}"}} 1\n')
                 with watching(textfiles, FILE) as events:
                     loop = asyncio.get_running_loop()
                     started = loop.time()
@@ -248,7 +250,7 @@ class TestDaemonThroughNodeExporter:
                         await kubelet.allocate(KVM, [f"kvm-{n}"])
                     took = loop.time() - started
                     await wait_for_content(
-                        textfiles / FILE, f'ate_devplugd_allocations_total{{resource="{KVM}"}} 1000.0'
+                        textfiles / FILE, f'ate_devplugd_allocations_total{{resource="{KVM}"}} 1000\n'
                     )
                     print(f"1000 Allocates in {took:.2f} s: {events.renames} writes of the metrics file")
                     assert 1 <= events.renames <= took / 1.0 + 2, (events.renames, took)
@@ -275,9 +277,9 @@ class TestDraModeThroughNodeExporter:
                 await node.kubelet.next_event("registered")
                 await node.status("registered with kubelet, slice published (128 devices)")
                 # both in one write: the file may first show one of them (writes are coalesced)
-                await wait_for_content(path, f'ate_devplugd_registered{{resource="{KVM}"}} 1.0')
+                await wait_for_content(path, f'ate_devplugd_registered{{resource="{KVM}"}} 1')
                 families = await TestDaemonThroughNodeExporter.scraped(
-                    exporter, path, f'ate_devplugd_advertised_units{{resource="{KVM}"}} 128.0'
+                    exporter, path, f'ate_devplugd_advertised_units{{resource="{KVM}"}} 128'
                 )
                 assert sample(families, "ate_devplugd_registered", resource=KVM) == 1
                 assert sample(families, "ate_devplugd_registrations_total", resource=KVM) == 1
@@ -291,7 +293,7 @@ class TestDraModeThroughNodeExporter:
                 await node.kubelet.prepare(DRIVER, ("default", "u-gone", "gone"))
                 await node.kubelet.unprepare(DRIVER, *claims)
                 families = await TestDaemonThroughNodeExporter.scraped(
-                    exporter, path, "ate_devplugd_dra_unprepares_total 3.0"
+                    exporter, path, "ate_devplugd_dra_unprepares_total 3"
                 )
                 assert sample(families, "ate_devplugd_allocations_total", resource=KVM) == 3
                 assert sample(families, "ate_devplugd_dra_prepares_total") == 3
@@ -302,7 +304,7 @@ class TestDraModeThroughNodeExporter:
                 kernel.remove_node(fake_root / "dev" / "kvm")
                 monitor.emit("remove")
                 families = await TestDaemonThroughNodeExporter.scraped(
-                    exporter, path, f'ate_devplugd_advertised_units{{resource="{KVM}"}} 0.0'
+                    exporter, path, f'ate_devplugd_advertised_units{{resource="{KVM}"}} 0'
                 )
                 assert sample(families, "ate_devplugd_healthy_units", resource=KVM) == 0
                 assert sample(families, "ate_devplugd_device_healthy", resource=KVM) == 0
@@ -316,7 +318,7 @@ class TestDraModeThroughNodeExporter:
                 families = await TestDaemonThroughNodeExporter.scraped(
                     exporter,
                     path,
-                    f'ate_devplugd_dra_slice_publishes_total{{reason="republished",resource="{KVM}"}} 1.0',
+                    f'ate_devplugd_dra_slice_publishes_total{{reason="republished",resource="{KVM}"}} 1',
                 )
                 assert sample(families, "ate_devplugd_advertised_units", resource=KVM) == 128
                 rc, out = await promtool("check", "metrics", stdin=path.read_bytes())

@@ -67,15 +67,15 @@ class TestVerdictShown:
         try:
             async with daemon_in_process(config, kernel):
                 await wait_for_content(
-                    prom, 'ate_devplugd_runtime_cdi{runtime="containerd 1.7.24",verdict="applied"} 1.0'
+                    prom, 'ate_devplugd_runtime_cdi{runtime="containerd 1.7.24",verdict="applied"} 1'
                 )
                 assert metric_lines(prom) == [
                     f'ate_devplugd_runtime_cdi{{runtime="containerd 1.7.24",verdict="{verdict}"}} {value}'
                     for verdict, value in (
-                        ("applied", "1.0"),
-                        ("not_applied", "0.0"),
-                        ("dir_not_read", "0.0"),
-                        ("unknown", "0.0"),
+                        ("applied", "1"),
+                        ("not_applied", "0"),
+                        ("dir_not_read", "0"),
+                        ("unknown", "0"),
                     )
                 ]
         finally:

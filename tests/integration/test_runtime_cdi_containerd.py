@@ -102,12 +102,12 @@ async def observe(
             async with daemon_in_process(config, UdevKernelView(), notify=notify.path) as running_daemon:
                 status = await notify.wait_for(lambda f: "| cdi: " in f.get("STATUS", ""), timeout=30)
                 await kubelet.next_event("list")
-                line = f'ate_devplugd_runtime_cdi{{runtime="{rt_name(status)}",verdict="{verdict.value}"}} 1.0'
+                line = f'ate_devplugd_runtime_cdi{{runtime="{rt_name(status)}",verdict="{verdict.value}"}} 1'
                 await wait_for_content(Path(config.metrics_file), line)
                 prom = Path(config.metrics_file)
                 # what doctor reads of the daemon: registered, and kubelet's stream open
-                await wait_for_content(prom, f'ate_devplugd_registered{{resource="{RESOURCE}"}} 1.0')
-                await wait_for_content(prom, f'ate_devplugd_listandwatch_streams{{resource="{RESOURCE}"}} 1.0')
+                await wait_for_content(prom, f'ate_devplugd_registered{{resource="{RESOURCE}"}} 1')
+                await wait_for_content(prom, f'ate_devplugd_listandwatch_streams{{resource="{RESOURCE}"}} 1')
                 metrics = [m for m in prom.read_text().splitlines() if m.startswith("ate_devplugd_runtime_cdi")]
                 binary = kubelet_binary(tmp_path)
                 findings = await examine(path, Node(kernel=UdevKernelView(), find_kubelet=lambda: str(binary)))
@@ -142,8 +142,8 @@ def assert_said(said: Said, verdict: CdiVerdict, status_end: str, level: Level) 
         assert (event.levelname, getattr(event, "ATE_EVENT", "")) == ("INFO", EVENT_RUNTIME)
     else:
         assert (event.levelname, getattr(event, "ATE_EVENT", "")) == ("WARNING", EVENT_NOT_APPLIED)
-    assert sum(m.endswith(" 1.0") for m in said.metrics) == 1
-    assert f'verdict="{verdict.value}"}} 1.0' in "\n".join(said.metrics)
+    assert sum(m.endswith(" 1") for m in said.metrics) == 1
+    assert f'verdict="{verdict.value}"}} 1' in "\n".join(said.metrics)
     cdi = said.doctor["runtime cdi"]
     assert cdi.level is level, said.doctor_text
     assert PROMISES[verdict](said.run), said.run.summary()

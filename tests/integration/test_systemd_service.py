@@ -224,7 +224,7 @@ class TestIdle:
             async with daemon(cfg) as proc:
                 await kubelet.next_event("list")
                 await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
-                await wait_for_content(metrics, 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1.0')
+                await wait_for_content(metrics, 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1\n')
                 mtime = metrics.stat().st_mtime_ns
                 out = await asyncio.to_thread(
                     subprocess.run,

@@ -162,8 +162,15 @@ journal_fields() {
 }
 check "journalctl -o json carries ATE_RESOURCE and ATE_EVENT" journal_fields
 
+no_filter_line() {  # the monitor opened (kernel uevents: no udevd in here), and the filter went on it
+    journalctl -u "$unit" -o cat | grep -qF "following kernel uevents instead" &&
+        ! journalctl -u "$unit" -o cat | grep -F -e "no socket filter for KVM's VM announcements" \
+            -e "cannot open a udev netlink monitor" >&2
+}
+check "socket filter for KVM's VM announcements in place under the hardened unit" no_filter_line
+
 metrics_written() {
-    wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0' "$metrics_file" &&
+    wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1' "$metrics_file" &&
         [ "$(stat -c %a "$metrics_file")" = 644 ]
 }
 check "metrics file for node_exporter written under the hardened unit (0644)" metrics_written
@@ -348,7 +355,7 @@ node_state() {
     set_count "$count_in_place"
     systemctl reload "$unit" && total_after "$t" "$count_in_place" &&
         wait_for 30 test -s "$cdi_spec" &&
-        wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0' "$metrics_file"
+        wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1' "$metrics_file"
 }
 must "edited conffile (cdi = true, count = $count_in_place) applied: CDI spec and metrics file written" node_state
 
@@ -372,7 +379,7 @@ in_place() {
     say "$what: $before_version -> $after_version"
     # What kubelet and node_exporter need before the report: the new registration and the new file.
     kubelet_event --after "$t" --timeout 60 list resource=ate.dev/kvm total="$count_in_place" >/dev/null &&
-        wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1.0' "$metrics_file" || rc=1
+        wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1' "$metrics_file" || rc=1
     kill "$watcher"; wait "$watcher" 2>/dev/null
     "${inplace[@]}" report --kubelet-log "$klog" --after "$t" --resource ate.dev/kvm --healthy-before "$healthy" \
         --unit "$unit" --old-pid "$pid" --files "$watch_log" --spec "$cdi_spec" --metrics "$metrics_file" \

@@ -25,7 +25,7 @@ cache=${SYSTEST_CACHE:-$repo/.cache/vm}
 # and mknod). The guest has no network, so the image holds all of it.
 packages=(
     systemd systemd-sysv udev kmod procps linux-image-amd64
-    python3 python3-grpcio python3-protobuf python3-systemd python3-pyudev python3-prometheus-client
+    python3 python3-grpcio python3-protobuf python3-systemd python3-pyudev
     python3-aiohttp python3-yaml
     podman runc busybox-static
 )

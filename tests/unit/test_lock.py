@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from ate_devplugd.lock import InstanceLock
+from ate_devplugd.lock import InstanceLock, lock_name
 
 
 async def test_refused_starts_never_wear_the_lock_out(tmp_path: Path) -> None:
@@ -34,3 +34,16 @@ async def test_another_directory_has_its_own_lock(tmp_path: Path) -> None:
         second.release()
     finally:
         first.release()
+
+
+def test_name_is_the_directory_or_a_digest_of_a_long_one(tmp_path: Path) -> None:
+    """The name shows the directory (as ``ss -xl`` lists it); a path too long for an abstract name is
+    named by its digest, and two such paths still get two names; a symlink gets its target's."""
+    assert lock_name("/var/lib/kubelet/device-plugins") == b"\0ate-devplugd//var/lib/kubelet/device-plugins"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert lock_name(str(tmp_path / "link")) == lock_name(str(tmp_path / "real"))
+    deep = ["/" + "d" * 60 + "/" + "e" * 60 + f"/{i}" for i in range(2)]
+    names = [lock_name(path) for path in deep]
+    assert all(name.startswith(b"\0ate-devplugd/sha256:") and len(name) <= 108 for name in names)
+    assert names[0] != names[1]

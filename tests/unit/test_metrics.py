@@ -15,18 +15,23 @@ import shutil
 import stat
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd import __version__, atomicfile, config
-from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
+from ate_devplugd.dra.metrics import DraMetrics
+from ate_devplugd.dra.prepare import ClaimProblem
+from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Family, Metrics, MetricType, exposition
+from ate_devplugd.runtime_cdi import CdiVerdict
 from ate_devplugd.textfile import TextfileWriter
 from tests.prometheus_tools import watching
+from tests.support import subprocess_env
 
 KVM = "ate.dev/kvm"
 VHOST = "ate.dev/vhost-net"
@@ -223,15 +228,109 @@ class TestMetrics:
         assert set(codes) <= GRPC_CODES
         assert codes == {"INVALID_ARGUMENT": 0, "FAILED_PRECONDITION": 0, "UNKNOWN": 1000, "RESOURCE_EXHAUSTED": 1}
 
-    def test_private_registry_without_created_series(self) -> None:
-        """Only ate_devplugd_ families, no _created series, and nothing added to the default registry."""
+    def test_only_our_families_without_prometheus_client(self) -> None:
+        """Only ate_devplugd_ families, no _created series; rendering imports no prometheus_client."""
         metrics = Metrics()
         metrics.add_resource(KVM)
         metrics.allocation(KVM)
         text = metrics.render().decode()
         assert "_created" not in text
         assert {family.name.split("_")[0] for family in text_string_to_metric_families(text)} == {"ate"}
-        assert not [f for f in REGISTRY.collect() if f.name.startswith("ate_devplugd")]
+        code = (
+            "import sys; from ate_devplugd.metrics import Metrics; m = Metrics(); m.add_resource('a.b/c'); "
+            "m.render(); sys.exit('prometheus_client' in sys.modules)"
+        )
+        assert subprocess.run([sys.executable, "-c", code], env=subprocess_env(), check=False).returncode == 0
+
+
+class TestExposition:
+    """The text format as prometheus_client writes it: the same families rendered by its
+    ``generate_latest`` and by ours read back the same through its parser (names, types, help, labels,
+    values), including what needs escaping and values past 2**53."""
+
+    @staticmethod
+    def read(text: bytes) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
+        """Every family as prometheus_client's parser reads it (values as floats, as its writer has them)."""
+        return [
+            (f.name, f.type, f.documentation, [(s.name, s.labels, float(s.value)) for s in f.samples])
+            for f in text_string_to_metric_families(text.decode())
+        ]
+
+    @staticmethod
+    def by_prometheus_client(families: list[Family]) -> bytes:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        theirs: list[Any] = []
+        for f in families:
+            if f.type is MetricType.HISTOGRAM:
+                buckets = [(labels[0][1], v) for suffix, labels, v in f.samples if suffix == "_bucket"]
+                (total,) = [v for suffix, _, v in f.samples if suffix == "_sum"]
+                theirs.append(HistogramMetricFamily(f.name, f.help, buckets=buckets, sum_value=total))
+                continue
+            kind = CounterMetricFamily if f.type is MetricType.COUNTER else GaugeMetricFamily
+            family = kind(f.name, f.help, labels=list(f.labels))
+            for _, labels, v in f.samples:
+                family.add_metric([value for _, value in labels], v)
+            theirs.append(family)
+
+        class Collector:
+            def collect(self) -> list[Any]:
+                return theirs
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Collector())  # type: ignore[arg-type]
+        return bytes(generate_latest(registry))
+
+    def test_the_daemons_families(self) -> None:
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        metrics.add_resource(VHOST)
+        metrics.set_device(KVM, present=True, healthy=True, advertised_units=4096)
+        metrics.allocate_error(KVM, "INVALID_ARGUMENT")
+        metrics.kubelet_restart()
+        families = list(metrics.families())
+        assert self.read(exposition(families)) == self.read(self.by_prometheus_client(families))
+
+    def test_escaping_and_large_values(self) -> None:
+        odd = 'a\\b "quoted"\nnext line'
+        gauge = Family.gauge("ate_devplugd_test_gauge", "help with \\ and\na second line", "what")
+        gauge.add_metric([odd], 0.5)
+        gauge.add_metric(["inf"], float("inf"))
+        counter = Family.counter("ate_devplugd_test", "a counter", "what", "code")
+        counter.add_metric([odd, "OK"], 2**60 + 1)
+        families = [gauge, counter, Family.counter("ate_devplugd_test_plain", "no labels")]
+        families[-1].add_metric([], 7)
+        ours = exposition(families)
+        assert self.read(ours) == self.read(self.by_prometheus_client(families))
+        assert f"{2**60 + 1}".encode() in ours  # a count is written exactly, not rounded to a float
+        assert self.read(ours)[0][3][0][1] == {"what": odd}
+
+    def test_dra_modes_families(self) -> None:
+        """DRA mode's series (counters with labels, the prepare-latency histogram) and the runtime's CDI
+        gauge read back as prometheus_client writes them."""
+        metrics = Metrics()
+        metrics.add_resource(KVM)
+        metrics.set_runtime_cdi(CdiVerdict.NOT_APPLIED, "containerd 1.7.24")
+        dra = DraMetrics("kvm.ate.dev", "units", (KVM,), shared=metrics)
+        metrics.add_source(dra)
+        for seconds in (0.001, 0.03, 0.03, 2.0, 60.0):
+            dra.prepare_call(seconds)
+        dra.claim_failed(ClaimProblem.NOT_FOUND)
+        families = list(metrics.families())
+        assert any(f.type is MetricType.HISTOGRAM for f in families)
+        ours = exposition(families)
+        assert self.read(ours) == self.read(self.by_prometheus_client(families))
+        assert b'ate_devplugd_dra_prepare_duration_seconds_bucket{le="0.05"} 3\n' in ours
+        assert b'ate_devplugd_dra_prepare_duration_seconds_bucket{le="+Inf"} 5\n' in ours
+
+    def test_histogram_ends_with_inf(self) -> None:
+        with pytest.raises(ValueError, match="last bucket must be"):
+            Family.histogram("ate_devplugd_x", "x", [(1.0, 2)], 1.5)
+
+    def test_label_values_must_match_the_names(self) -> None:
+        with pytest.raises(ValueError, match="2 label values expected"):
+            Family.counter("ate_devplugd_x", "x", "a", "b").add_metric(["only one"], 1)
 
 
 class TestTextfileWriter:

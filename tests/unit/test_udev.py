@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 
+from ate_devplugd import kvm_events
 from ate_devplugd.udev import UdevWatcher, UEvent
 from tests.support import FakeMonitor
 
@@ -50,3 +51,45 @@ class TestUdevWatcher:
         watcher.set_subsystems({"misc", "drm"})
         assert sorted(monitor.filters) == ["drm", "misc"]
         monitor.close()
+
+    async def test_vm_announcements_are_not_hints(self) -> None:
+        """KVM's change uevents for a VM's start and end are left out (and counted); a change on misc/kvm
+        without their properties, and any other action, is still a hint."""
+        monitor = FakeMonitor()
+        batches: asyncio.Queue[list[UEvent]] = asyncio.Queue()
+        watcher = UdevWatcher(monitor, {"misc"}, batches.put_nowait)
+        watcher.start()
+        try:
+            for pid in range(100, 150):
+                monitor.emit_vm("create", pid)
+                monitor.emit_vm("destroy", pid, count=0)
+            monitor.emit("change", EVENT="create")  # EVENT alone is not KVM's announcement
+            monitor.emit("remove")
+            hints: list[UEvent] = []
+            async with asyncio.timeout(5):
+                while len(hints) < 2:
+                    batch = await batches.get()
+                    assert batch, "a batch of announcements alone must make no hint"
+                    hints += batch
+            assert [e.action for e in hints] == ["change", "remove"]
+            assert watcher.vm_announcements == 100
+            assert batches.empty()
+        finally:
+            watcher.close()
+            monitor.close()
+
+    async def test_real_monitor_keeps_the_socket_filter(self) -> None:
+        """On pyudev's own netlink socket the VM-announcement filter is in place after start and after a
+        reload changes the subsystems (libudev clears the socket's filter then)."""
+        import pyudev
+
+        monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="kernel")
+        watcher = UdevWatcher(monitor, {"misc"}, lambda _: None)
+        prefix = kvm_events.drop_program()
+        watcher.start()
+        try:
+            assert kvm_events.installed_program(monitor.fileno())[: len(prefix)] == prefix
+            watcher.set_subsystems({"misc", "net"})
+            assert kvm_events.installed_program(monitor.fileno())[: len(prefix)] == prefix
+        finally:
+            watcher.close()

@@ -14,16 +14,16 @@ error shows in ``increase()``; all label values are enums.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ate_devplugd.dra.apiclient import ApiErrorKind
 from ate_devplugd.dra.prepare import ClaimProblem
 from ate_devplugd.dra.slices import PublishReason
+from ate_devplugd.metrics import Family
 
 if TYPE_CHECKING:
-    from prometheus_client.core import Metric
-
     from ate_devplugd.metrics import Metrics
 
 PREFIX = "ate_devplugd_dra_"
@@ -102,57 +102,46 @@ class DraMetrics:
                     self._shared.register_failure(resource)
 
     # -- exposition ------------------------------------------------------------------------------------
-    def families(self) -> Iterator[Metric]:
-        from prometheus_client.core import (  # noqa: PLC0415 - at the first render, as in metrics.py
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-        )
-
-        info = GaugeMetricFamily(
-            PREFIX + "info", "Always 1 in DRA mode; the driver name and its sharing.", labels=["driver", "sharing"]
+    def families(self) -> Iterator[Family]:
+        info = Family.gauge(
+            PREFIX + "info", "Always 1 in DRA mode; the driver name and its sharing.", "driver", "sharing"
         )
         info.add_metric([self.driver, self.sharing], 1)
         yield info
         for name, doc, labels, counts in (
-            ("prepares", "Claims prepared for kubelet (NodePrepareResources).", [], {(): self.prepares}),
-            ("unprepares", "Claims unprepared for kubelet (NodeUnprepareResources).", [], {(): self.unprepares}),
+            ("prepares", "Claims prepared for kubelet (NodePrepareResources).", (), {(): self.prepares}),
+            ("unprepares", "Claims unprepared for kubelet (NodeUnprepareResources).", (), {(): self.unprepares}),
             (
                 "prepare_errors",
                 "Claims that could not be prepared, by reason.",
-                ["reason"],
+                ("reason",),
                 {(problem.value,): count for problem, count in self.prepare_errors.items()},
             ),
             (
                 "slice_publishes",
                 "ResourceSlice writes, by resource and reason (created, republished, updated).",
-                ["resource", "reason"],
+                ("resource", "reason"),
                 {(resource, reason.value): count for (resource, reason), count in self.publishes.items()},
             ),
             (
                 "api_errors",
                 "API server calls that failed, by what the server answered.",
-                ["reason"],
+                ("reason",),
                 {(kind.value,): count for kind, count in self.api_errors.items()},
             ),
         ):
-            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family = Family.counter(PREFIX + name, doc, *labels)
             for values, count in counts.items():
-                family.add_metric(list(values), count)
+                family.add_metric(values, count)
             yield family
         cumulative, buckets = 0, []
         for bound, count in zip(PREPARE_BUCKETS, self._prepare_buckets, strict=True):
             cumulative += count
-            buckets.append((_le(bound), cumulative))
-        buckets.append(("+Inf", self._prepare_calls))
-        yield HistogramMetricFamily(
+            buckets.append((bound, cumulative))
+        buckets.append((math.inf, self._prepare_calls))
+        yield Family.histogram(
             PREFIX + "prepare_duration_seconds",
             "Time to answer a NodePrepareResources call (every claim in it read from the API server).",
-            buckets=buckets,
-            sum_value=self._prepare_seconds,
+            buckets,
+            self._prepare_seconds,
         )
-
-
-def _le(bound: float) -> str:
-    """A bucket bound as Prometheus writes it (``0.005``, ``1.0``)."""
-    return repr(float(bound))
