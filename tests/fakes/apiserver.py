@@ -5,9 +5,15 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   409; generation bumped on a spec change), delete; list and watch with field selectors
   ``spec.nodeName``/``spec.driver`` and resourceVersion, events as JSON lines on a chunked response,
   BOOKMARK on request, ERROR 410 for a compacted resourceVersion, the watch ended after timeoutSeconds;
-- the node authorizer and NodeRestriction (§6): list/watch need ``spec.nodeName=<node>``, create needs
-  ``spec.nodeName`` to be the node; ``forbid_after_create = N`` answers 403 to the next N get, update or
-  delete of a slice just created (the authorizer's graph lags behind its own watch);
+- who may do what (``apiauthz``, which names the Kubernetes source): ``token`` is kubelet's credential
+  (``system:node:<node>``), judged by the Node authorizer: list/watch of slices need
+  ``spec.nodeName=<node>``, create needs ``spec.nodeName`` to be the node (NodeRestriction), and what the
+  authorizer does not judge itself, DeviceClasses among it, only as ``NodeRules()`` allows (no
+  DeviceClass: 403); ``forbid_after_create = N`` answers 403 to the next N get, update or delete of a
+  slice just created (the authorizer's graph lags behind its own watch). ``service_account_token`` is
+  the driver's service account with a token bound to this node, judged by RBAC over the ClusterRoles and
+  bindings an administrator created here (none: 403 for everything); its slice writes are kept to this
+  node, as the admission policy of ``dra-manifests`` keeps them;
 - ``consumable_capacity = False``: the DRAConsumableCapacity gate is off and ``allowMultipleAllocations``
   is dropped silently (§4b);
 - ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2); ``wipe_driver()``:
@@ -18,7 +24,8 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
 - what ``dra-manifests`` prints, for an administrator's credential (``admin_token``): Namespaces,
   ServiceAccounts (in an existing namespace, as the NamespaceLifecycle admission plugin demands),
   ClusterRoles and their bindings, ValidatingAdmissionPolicies and their bindings, DeviceClasses:
-  created (POST; 409 if the name is taken), read, replaced (PUT); the node's credential gets 403;
+  created (POST; 409 if the name is taken), read, replaced (PUT), or put in place by ``create()``; the
+  node's credential gets 403;
 - objects sent are validated as the apiserver would (422 Invalid, names per kind: see apivalidation),
   and, where the ``kubernetes`` PyPI client is installed (the venv), against its v1 models: a field the
   real API does not know fails;
@@ -32,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import enum
 import itertools
 import json
 import re
@@ -42,6 +50,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.fakes import apiauthz
 from tests.fakes.apivalidation import (
     Problem,
     field_value,
@@ -56,6 +65,11 @@ from tests.fakes.certs import Pki
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 NODES = "/api/v1/nodes"
+#: The service account ``dra-manifests`` binds: (namespace, name).
+SERVICE_ACCOUNT = ("ate-devplugd", "ate-devplugd")
+#: What the Node authorizer judges itself and this fake's handlers judge as it does (a claim: any, as if
+#: every claim belonged to a pod bound to the node).
+_NODE_HANDLED = {("", "nodes"), ("resource.k8s.io", "resourceslices"), ("resource.k8s.io", "resourceclaims")}
 #: Where each kind ``dra-manifests`` prints is created: its collection path ({ns}: its namespace).
 COLLECTIONS = {
     "Namespace": "/api/v1/namespaces",
@@ -71,6 +85,13 @@ COLLECTIONS = {
 def collection_path(obj: dict[str, Any]) -> str:
     """The collection an object of a manifest kind is POSTed to."""
     return COLLECTIONS[obj["kind"]].format(ns=(obj.get("metadata") or {}).get("namespace", ""))
+
+
+class Caller(enum.Enum):
+    """Whose credential a request carries (the administrator's is served apart)."""
+
+    NODE = "node"  # kubelet's: system:node:<node>, group system:nodes
+    SERVICE_ACCOUNT = "service-account"  # the driver's service account, its token bound to the node
 
 
 @dataclass
@@ -89,21 +110,24 @@ class FakeApiServer:
         token: str | None = None,
         pki: Pki | None = None,
         admin_token: str | None = None,
+        service_account_token: str | None = None,
+        service_account: tuple[str, str] = SERVICE_ACCOUNT,
         with_node: bool = True,
     ) -> None:
         self.node_name = node_name
         self.token = token
         self.admin_token = admin_token
+        self.service_account_token = service_account_token
+        self.service_account = service_account
         self.pki = pki
         self.consumable_capacity = True
         self.forbid_after_create = 0
         self.nodes: dict[str, dict[str, Any]] = {}
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
-        #: What an administrator created: (kind, namespace, name) -> object. The node's credentials may
-        #: list the DeviceClasses among them; ``device_classes_forbidden`` refuses that list.
+        #: What an administrator created: (kind, namespace, name) -> object. Its ClusterRoles and
+        #: bindings are the RBAC that judges the service account.
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.device_classes_forbidden = False
         self.changes: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self.requests: list[str] = []
         #: Every request, as it arrives (a test can wait for one).
@@ -221,6 +245,12 @@ class FakeApiServer:
         """The object of a manifest kind an administrator created, if it exists."""
         return self.objects.get((kind, namespace, name))
 
+    def create(self, *objs: dict[str, Any]) -> None:
+        """Objects of manifest kinds created as an administrator's POST would create them (validated)."""
+        for obj in objs:
+            namespace = (obj.get("metadata") or {}).get("namespace", "")
+            self._store(obj["kind"], "POST", namespace, "", obj)
+
     def end_watches(self) -> None:
         """End every open watch, as the apiserver does after timeoutSeconds or on restart."""
         for watcher in self._watchers:
@@ -284,23 +314,22 @@ class FakeApiServer:
                 self.forbidden_answers += 1
             return web.json_response(status(p.code, p.reason, p.message), status=p.code)
 
-    async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911, PLR0912 - one return per route
+    async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911 - one return per route
         path, method = request.path, request.method
         bearer = request.headers.get("Authorization")
         if self.admin_token is not None and bearer == f"Bearer {self.admin_token}":
             return await self._admin(request)
-        if self.token is not None and bearer != f"Bearer {self.token}":
-            raise Problem(401, "Unauthorized", "Unauthorized")
+        caller = self._authorize(request, bearer)
         if path.startswith(NODES) and method == "GET":
-            return await self._nodes(request)
+            return await self._nodes(request, caller)
         if m := re.fullmatch(r"/apis/resource.k8s.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)", path):
             return web.json_response(self._get(self.claims, (m[1], m[2]), "resourceclaims.resource.k8s.io"))
-        if path == COLLECTIONS["DeviceClass"] and method == "GET":
-            return self._device_classes()
+        if path.startswith(COLLECTIONS["DeviceClass"]) and method == "GET":
+            return self._device_classes(path)
         if path == SLICES and method == "POST":
-            return web.json_response(await self._create(await self._body(request)), status=201)
+            return web.json_response(await self._create(await self._body(request), caller), status=201)
         if path == SLICES and method == "GET":
-            selector = self._selector(request.query.get("fieldSelector", ""))
+            selector = self._selector(request.query.get("fieldSelector", ""), caller)
             if request.query.get("watch") in ("1", "true"):
                 return await self._watch(request, "resourceslices", selector)
             return web.json_response(self._list("ResourceSliceList", self.slices.values(), selector))
@@ -317,30 +346,58 @@ class FakeApiServer:
             if method == "GET":
                 return web.json_response(self._get(self.slices, name, "resourceslices.resource.k8s.io"))
             if method == "PUT":
-                return web.json_response(self._update(name, await self._body(request)))
+                return web.json_response(self._update(name, await self._body(request), caller))
             if method == "DELETE":
                 self._get(self.slices, name, "resourceslices.resource.k8s.io")
                 return web.json_response(self._delete(name))
-        if any(path.startswith(c.split("{")[0]) for c in COLLECTIONS.values()):
-            raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot {method} {path}")
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
 
-    def _device_classes(self) -> web.StreamResponse:
-        if self.device_classes_forbidden:
-            raise Problem(403, "Forbidden", "deviceclasses.resource.k8s.io is forbidden: User cannot list resource")
-        items = [copy.deepcopy(o) for (kind, _, _), o in self.objects.items() if kind == "DeviceClass"]
-        return web.json_response({"kind": "DeviceClassList", "apiVersion": "resource.k8s.io/v1", "items": items})
+    def _device_classes(self, path: str) -> web.StreamResponse:
+        """List or get the DeviceClasses an administrator created."""
+        if path == COLLECTIONS["DeviceClass"]:
+            items = [copy.deepcopy(o) for (kind, _, _), o in self.objects.items() if kind == "DeviceClass"]
+            return web.json_response({"kind": "DeviceClassList", "apiVersion": "resource.k8s.io/v1", "items": items})
+        name = path.removeprefix(COLLECTIONS["DeviceClass"] + "/")
+        return web.json_response(self._get(self.objects, ("DeviceClass", "", name), "deviceclasses.resource.k8s.io"))
 
-    async def _nodes(self, request: web.Request) -> web.StreamResponse:
-        """GET of its own Node; list and watch only with ``metadata.name=<node>`` (AuthorizeNodeWithSelectors)."""
+    def _authorize(self, request: web.Request, bearer: str | None) -> Caller:
+        """Who the request is from, and whether that credential may make it (``apiauthz``); the Node
+        authorizer's rules for the resources it judges itself are applied by the handlers."""
+        if self.service_account_token is not None and bearer == f"Bearer {self.service_account_token}":
+            caller = Caller.SERVICE_ACCOUNT
+        elif self.token is None or bearer == f"Bearer {self.token}":
+            caller = Caller.NODE
+        else:
+            raise Problem(401, "Unauthorized", "Unauthorized")
+        attrs = apiauthz.attributes(request.method, request.path, request.query)
+        if attrs is None:
+            return caller
+        if caller is Caller.SERVICE_ACCOUNT:
+            namespace, name = self.service_account
+            user = f"system:serviceaccount:{namespace}:{name}"
+            groups = ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"]
+            if not apiauthz.rbac_allows(self.objects, user, groups, attrs):
+                raise Problem(403, "Forbidden", apiauthz.forbidden_message(user, attrs))
+            return caller
+        judged = apiauthz.node_authorizer_judges(attrs)
+        if judged and (attrs.group, attrs.resource.split("/")[0]) not in _NODE_HANDLED:  # no graph: nothing is related
+            raise Problem(403, "Forbidden", f"no relationship found between node '{self.node_name}' and this object")
+        if not judged and not apiauthz.node_rules_allow(attrs):
+            raise Problem(403, "Forbidden", apiauthz.forbidden_message(f"system:node:{self.node_name}", attrs))
+        return caller
+
+    async def _nodes(self, request: web.Request, caller: Caller) -> web.StreamResponse:
+        """GET of a Node; the node's credential reads only its own, and lists and watches only with
+        ``metadata.name=<node>`` (AuthorizeNodeWithSelectors)."""
+        node = caller is Caller.NODE
         if m := re.fullmatch(NODES + r"/([^/]+)", request.path):
-            if m[1] != self.node_name:
+            if node and m[1] != self.node_name:
                 raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot read '{m[1]}'")
             return web.json_response(self._get(self.nodes, m[1], "nodes"))
         if request.path != NODES:
             raise Problem(404, "NotFound", f"the server could not find the requested resource ({request.path})")
         selector = parse_selector(request.query.get("fieldSelector", ""))
-        if selector != {"metadata.name": self.node_name}:
+        if node and selector != {"metadata.name": self.node_name}:
             raise Problem(403, "Forbidden", f"node '{self.node_name}' can only list/watch its own Node")
         if request.query.get("watch") in ("1", "true"):
             return await self._watch(request, "nodes", selector)
@@ -357,16 +414,18 @@ class FakeApiServer:
         for kind, template in COLLECTIONS.items():
             pattern = re.escape(template).replace(re.escape("{ns}"), "(?P<ns>[^/]+)") + "(?:/(?P<name>[^/]+))?"
             if m := re.fullmatch(pattern, path):
+                namespace, name = m.groupdict().get("ns") or "", m["name"] or ""
+                if method == "GET" and name:
+                    resource = template.rsplit("/", 1)[1]
+                    return web.json_response(self._get(self.objects, (kind, namespace, name), resource))
                 body = await self._body(request) if method in ("POST", "PUT") else None
-                return self._admin_call(method, kind, m.groupdict().get("ns") or "", m["name"] or "", body)
+                obj = self._store(kind, method, namespace, name, body)
+                return web.json_response(obj, status=201 if method == "POST" else 200)
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
 
-    def _admin_call(
-        self, method: str, kind: str, namespace: str, name: str, body: dict[str, Any] | None
-    ) -> web.StreamResponse:
+    def _store(self, kind: str, method: str, namespace: str, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """An administrator's create (POST) or replace (PUT) of a manifest kind, checked as the apiserver does."""
         resource = COLLECTIONS[kind].rsplit("/", 1)[1]
-        if method == "GET" and name:
-            return web.json_response(self._get(self.objects, (kind, namespace, name), resource))
         if method not in ("POST", "PUT") or body is None or (method == "POST") == bool(name):
             raise Problem(405, "MethodNotAllowed", f"{method} is not supported here")
         if body.get("kind") != kind:
@@ -388,12 +447,12 @@ class FakeApiServer:
         obj["metadata"]["uid"] = self.objects[key]["metadata"]["uid"] if key in self.objects else str(uuid.uuid4())
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
         self.objects[key] = obj
-        return web.json_response(copy.deepcopy(obj), status=201 if method == "POST" else 200)
+        return copy.deepcopy(obj)
 
     @staticmethod
     def _get(store: dict[Any, dict[str, Any]], key: Any, what: str) -> dict[str, Any]:
         if key not in store:
-            name = key[1] if isinstance(key, tuple) else key
+            name = key[-1] if isinstance(key, tuple) else key
             raise Problem(404, "NotFound", f'{what} "{name}" not found')
         return copy.deepcopy(store[key])
 
@@ -407,18 +466,18 @@ class FakeApiServer:
             raise Problem(400, "BadRequest", "the body is not an object")
         return body
 
-    def _selector(self, text: str) -> dict[str, str]:
+    def _selector(self, text: str, caller: Caller) -> dict[str, str]:
         selector = parse_selector(text)
-        if selector.get("spec.nodeName") != self.node_name:  # the node authorizer (AuthorizeNodeWithSelectors)
+        if caller is Caller.NODE and selector.get("spec.nodeName") != self.node_name:  # AuthorizeNodeWithSelectors
             raise Problem(
                 403, "Forbidden", "can only list/watch/deletecollection resourceslices with nodeName field selector"
             )
         return selector
 
-    async def _create(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _create(self, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
         if self._creates_open is not None:
             await self._creates_open.wait()
-        obj = self._admit(body, None)
+        obj = self._admit(body, None, caller)
         meta = obj["metadata"]
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = generated_name(meta["generateName"], uuid.uuid4().hex[:5])
@@ -429,14 +488,14 @@ class FakeApiServer:
             raise Problem(409, "AlreadyExists", f'resourceslices.resource.k8s.io "{meta["name"]}" already exists')
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp="2026-01-01T00:00:00Z")
         self.slices[meta["name"]] = obj
-        if self.forbid_after_create:
+        if self.forbid_after_create and caller is Caller.NODE:
             self._forbidden[meta["name"]] = self.forbid_after_create
         self._record("resourceslices", "ADDED", obj)
         return copy.deepcopy(obj)
 
-    def _update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _update(self, name: str, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
         old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
-        obj = self._admit(body, old)
+        obj = self._admit(body, old, caller)
         errors = validate_meta("ResourceSlice", obj)
         if obj["metadata"].get("name") != name:
             errors.append("metadata.name: Invalid value: field is immutable")
@@ -457,12 +516,16 @@ class FakeApiServer:
         self._record("resourceslices", "MODIFIED", obj)
         return copy.deepcopy(obj)
 
-    def _admit(self, body: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
-        """Validation, NodeRestriction and the dropping of fields whose feature gate is off."""
+    def _admit(self, body: dict[str, Any], old: dict[str, Any] | None, caller: Caller) -> dict[str, Any]:
+        """Validation, NodeRestriction (or, for the service account, the admission policy of
+        ``dra-manifests``) and the dropping of fields whose feature gate is off."""
         errors = validate_slice(body, old)
         if errors:
             raise Problem(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(errors))
         if body["spec"].get("nodeName") != self.node_name:
+            if caller is Caller.SERVICE_ACCOUNT:
+                message = f"only ResourceSlices of node {self.node_name} may be written"
+                raise Problem(403, "Forbidden", f"admission policy denied request: {message}")
             raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot create a ResourceSlice of another node")
         obj = copy.deepcopy(body)
         if not self.consumable_capacity:

@@ -21,14 +21,20 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd._pb.cri.v1 import api_pb2 as cri
 from tests.podman import NodeStat
-from tests.runtimes.containerd import CheckerRun, ContainerdBuild, Images, oci_node, oci_rules, run_kvmcheck, running
-from tests.support import KvmAllocation, allocated_kvm
+from tests.runtimes.containerd import (
+    VMM_USER,
+    CheckerRun,
+    ContainerdBuild,
+    Images,
+    oci_node,
+    oci_rules,
+    run_allocated,
+    running,
+)
+from tests.support import allocated_kvm
 
 DEVICE = "ate.dev/kvm=kvm"
-#: The VMM's user: the pod's runAsUser and runAsGroup.
-VMM_USER = (1000, 1000)
 #: What containerd 1.7 logs (info) when it applies a container's CDI names (pkg/cri/opts WithCDI).
 CDI_LOG = "CDI devices from CRI Config.CDIDevices: [ate.dev/kvm=kvm]"
 
@@ -39,14 +45,6 @@ def host_kvm() -> NodeStat:
     node = NodeStat.of("/dev/kvm")
     assert node.mode & 0o007 == 0, f"the host's /dev/kvm is {node.mode:#o}: open to every user"
     return node
-
-
-def cri_devices(allocation: KvmAllocation) -> list[cri.Device]:
-    """The Allocate answer's DeviceSpecs as kubelet puts them in the CRI request."""
-    return [
-        cri.Device(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
-        for d in allocation.device_specs
-    ]
 
 
 async def allocate_and_run(
@@ -60,13 +58,7 @@ async def allocate_and_run(
         async with allocated_kvm(tmp_path) as allocation:
             assert allocation.cdi_dir == cdi_dir
             assert allocation.cdi_names == [DEVICE]
-            run = await run_kvmcheck(
-                rt,
-                devices=cri_devices(allocation),
-                cdi_devices=allocation.cdi_names,
-                run_as_user=VMM_USER[0],
-                run_as_group=VMM_USER[1],
-            )
+            run = await run_allocated(rt, allocation)
     print(run.summary())
     return run, rt.log(), config
 

@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+import yaml
+
 from ate_devplugd import cli
 from ate_devplugd.config import Config, render
 from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
@@ -198,45 +200,94 @@ class TestOutput:
         assert "runtime_socket: must be an absolute path" in doc["checks"][0]["message"]
 
 
+#: The driver's service account's token (dra-manifests binds the account; the fake judges it by that RBAC).
+SA_TOKEN = "s3rvice-account-t0ken"
+API_CHECKS = ("apiserver", "deviceclass", "slice")
+
+
+def dra_node(tmp_path: Path, fake_root: Path, url: str, token: str) -> tuple[Path, DraConfig]:
+    """A DRA-mode config file whose kubeconfig carries ``token``, and its [dra] table (kubelet's directory
+    is never made: its name only has to leave socket paths short enough)."""
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, token=token)
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f'mode = "dra"\ndev_root = "{fake_root}"\ncdi_dir = "{tmp_path / "cdi"}"\nmetrics_file = ""\n'
+        f'runtime_socket = "{tmp_path / "runtime.sock"}"\nplugin_dir = "{tmp_path / "dp"}"\n'
+        f'[dra]\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\nkubelet_dir = "/nonexistent/kubelet"\n'
+    )
+    return path, DraConfig(node_name=NODE, kubeconfig=str(kubeconfig))
+
+
+def publish(api: FakeApiServer, dra: DraConfig) -> None:
+    """This node's slice of ate.dev/kvm, as the daemon publishes it."""
+    pool = build_pools(dra, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")])[0][0]
+    api.slices["s1"] = {"metadata": {"name": "s1"}, "spec": slice_spec(dra, pool, 1, present=True)}
+
+
+def api_checks(findings: list[Finding]) -> dict[str, Finding]:
+    return {f.check: f for f in findings if f.check.startswith(API_CHECKS)}
+
+
 class TestDraMode:
-    async def test_api_side(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
-        """DRA mode: the API server answers with the kubeconfig; the DeviceClass of dra-manifests is found;
-        no slice of this node is a FAIL, one with devices is OK; a refused DeviceClass list is a WARN."""
+    async def test_kubelet_credentials(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """kubelet's own credentials: the API server answers and the slice is checked (none: FAIL; with
+        devices: OK), but a node may not list DeviceClasses (the Node authorizer's rules), which is one WARN
+        that says so and gives the administrator's command, never an OK for a class it could not see."""
         api = FakeApiServer(NODE, token=TOKEN)
         await api.start()
         try:
-            kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api.url)
-            path = tmp_path / "config.toml"
-            path.write_text(
-                f'mode = "dra"\ndev_root = "{fake_root}"\ncdi_dir = "{tmp_path / "cdi"}"\nmetrics_file = ""\n'
-                f'runtime_socket = "{tmp_path / "runtime.sock"}"\nplugin_dir = "{tmp_path / "dp"}"\n'
-                f'[dra]\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\nkubelet_dir = "{tmp_path / "kubelet"}"\n'
-            )
-            dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig))
-            klass = manifests.device_class(dra, "ate.dev/kvm")
-            api.objects["DeviceClass", "", klass["metadata"]["name"]] = klass
+            path, dra = dra_node(tmp_path, fake_root, api.url, TOKEN)
+            api.create(manifests.device_class(dra, "ate.dev/kvm"))
             node = Node(kernel=kernel, find_kubelet=lambda: None)
-            checks = by_check(await examine(path, node))
+            checks = api_checks(await examine(path, node))
             assert checks["apiserver"].level is Level.OK
-            assert checks["deviceclass ate.dev/kvm"].level is Level.OK
-            assert checks["deviceclass ate.dev/kvm"].message == "kvm.ate.dev has extendedResourceName ate.dev/kvm"
             assert checks["slice ate.dev/kvm"].level is Level.FAIL
+            refused = checks["deviceclass"]
+            assert refused.level is Level.WARN
+            assert "these credentials may not list DeviceClasses" in refused.message
+            assert 'User "system:node:node-1" cannot list resource "deviceclasses"' in refused.message
+            assert refused.remedy.startswith("an administrator runs: kubectl get deviceclass")
+            assert "deviceclass ate.dev/kvm" not in checks
 
-            pool = build_pools(dra, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")])[0][0]
-            api.slices["s1"] = {
-                "metadata": {"name": "s1"},
-                "spec": slice_spec(dra, pool, 1, present=True),
-            }
-            del api.objects["DeviceClass", "", klass["metadata"]["name"]]
-            checks = by_check(await examine(path, node))
+            publish(api, dra)
+            checks = api_checks(await examine(path, node))
             assert checks["slice ate.dev/kvm"].level is Level.OK
             assert checks["slice ate.dev/kvm"].message == "s1 published with 128 device(s)"
+            assert [c for c, f in checks.items() if f.level is not Level.OK] == ["deviceclass"]
+        finally:
+            await api.stop()
+
+    async def test_service_account_credentials(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """The service account with what ``dra-manifests`` prints applied: a correct node prints only OK lines;
+        the DeviceClass gone is a FAIL naming the command; a ClusterRole without the DeviceClass read is the
+        same WARN as kubelet's credentials get."""
+        api = FakeApiServer(NODE, service_account_token=SA_TOKEN)
+        await api.start()
+        try:
+            path, dra = dra_node(tmp_path, fake_root, api.url, SA_TOKEN)
+            api.create(*(d for d in yaml.safe_load_all(manifests.render(dra, ["ate.dev/kvm"])) if d is not None))
+            publish(api, dra)
+            node = Node(kernel=kernel, find_kubelet=lambda: None)
+            checks = api_checks(await examine(path, node))
+            assert {c: f.level for c, f in checks.items()} == {
+                "apiserver": Level.OK,
+                "deviceclass ate.dev/kvm": Level.OK,
+                "slice ate.dev/kvm": Level.OK,
+            }
+            assert checks["deviceclass ate.dev/kvm"].message == "kvm.ate.dev has extendedResourceName ate.dev/kvm"
+
+            klass = api.objects.pop(("DeviceClass", "", "kvm.ate.dev"))
+            checks = api_checks(await examine(path, node))
             assert checks["deviceclass ate.dev/kvm"].level is Level.FAIL
             assert "dra-manifests" in checks["deviceclass ate.dev/kvm"].remedy
 
-            api.device_classes_forbidden = True
-            checks = by_check(await examine(path, node))
+            api.objects["DeviceClass", "", "kvm.ate.dev"] = klass
+            role = api.objects["ClusterRole", "", manifests.access_name(dra)]
+            role["rules"] = [r for r in role["rules"] if r["resources"] != ["deviceclasses"]]
+            checks = api_checks(await examine(path, node))
             assert checks["deviceclass"].level is Level.WARN
+            assert 'User "system:serviceaccount:ate-devplugd:ate-devplugd" cannot list' in checks["deviceclass"].message
+            assert checks["slice ate.dev/kvm"].level is Level.OK
         finally:
             await api.stop()
 

@@ -1,6 +1,7 @@
 """``ate-devplugd dra-manifests`` applied, as ``kubectl apply -f -`` would, to the fake API server with
 the apiserver's name rules (tests/fakes/apivalidation.py says which it took): every object of both
-variants is created, and the rules refuse what the real apiserver refused."""
+variants is created, and the rules refuse what the real apiserver refused. Then what each credential may
+read (tests/fakes/apiauthz.py: the Node authorizer, and RBAC over what was applied)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.fakes.apiserver import FakeApiServer, collection_path
 
 ADMIN = "admin-t0ken"
 NODE_TOKEN = "node-t0ken"
+SA_TOKEN = "sa-t0ken"
 CONFIG = DraConfig(node_name="node-1")
 RESOURCES = ["ate.dev/kvm", "ate.dev/vhost-net"]
 
@@ -57,7 +59,7 @@ def _kept(meta: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def api_server() -> AsyncIterator[FakeApiServer]:
-    api = FakeApiServer("node-1", token=NODE_TOKEN, admin_token=ADMIN)
+    api = FakeApiServer("node-1", token=NODE_TOKEN, admin_token=ADMIN, service_account_token=SA_TOKEN)
     await api.start()
     try:
         yield api
@@ -146,3 +148,52 @@ class TestTheFakeRefusesWhatTheApiserverRefuses:
         async with api_server() as api:
             (error,) = await apply(api.url, ADMIN, [doc])
         assert '404 namespaces "ate-devplugd" not found' in error, error
+
+
+async def status_of(url: str, token: str, path: str, method: str = "GET") -> tuple[int, str]:
+    """One call's status code and, for an error, the apiserver's message."""
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(headers=headers) as session, session.request(method, url + path, data="{}") as got:
+        body = await got.json()
+        return got.status, body.get("message", "") if got.status >= 300 else ""
+
+
+CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
+SLICES_OF_ANY_NODE = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+class TestWhoMayRead:
+    """The Node authorizer for kubelet's credentials, RBAC over what was applied for the service account."""
+
+    async def test_node_may_not_read_device_classes(self) -> None:
+        """NodeRules() grants a node nothing on deviceclasses, and no default binding does: 403, worded as
+        the apiserver words it, for a list and for a get."""
+        async with api_server() as api:
+            assert await apply(api.url, ADMIN, documents(manifests.render(CONFIG, RESOURCES))) == []
+            assert await status_of(api.url, NODE_TOKEN, CLASSES) == (
+                403,
+                'deviceclasses.resource.k8s.io is forbidden: User "system:node:node-1" cannot list resource '
+                '"deviceclasses" in API group "resource.k8s.io" at the cluster scope',
+            )
+            code, message = await status_of(api.url, NODE_TOKEN, CLASSES + "/kvm.ate.dev")
+            assert code == 403, message
+            assert message.startswith('deviceclasses.resource.k8s.io "kvm.ate.dev" is forbidden: User "system:node:')
+
+    @pytest.mark.parametrize("with_access", [True, False], ids=["service-account", "kubelet-credentials"])
+    async def test_service_account_reads_what_the_role_grants(self, with_access: bool) -> None:
+        """Before anything is applied the service account may do nothing; after the service-account
+        variant it may read DeviceClasses (get and list, not write) and list every slice and Node, and
+        nothing the role does not name; the kubelet-credentials variant grants it nothing."""
+        async with api_server() as api:
+            assert (await status_of(api.url, SA_TOKEN, CLASSES))[0] == 403
+            docs = documents(manifests.render(CONFIG, RESOURCES, with_access=with_access))
+            assert await apply(api.url, ADMIN, docs) == []
+            granted = {
+                path: (await status_of(api.url, SA_TOKEN, path))[0]
+                for path in (CLASSES, CLASSES + "/kvm.ate.dev", SLICES_OF_ANY_NODE, "/api/v1/nodes")
+            }
+            assert granted == dict.fromkeys(granted, 200 if with_access else 403)
+            code, message = await status_of(api.url, SA_TOKEN, CLASSES, "POST")
+            assert code == 403 and "cannot create resource" in message, message
+            code, message = await status_of(api.url, SA_TOKEN, "/api/v1/namespaces")
+            assert code == 403 and 'User "system:serviceaccount:ate-devplugd:ate-devplugd" cannot list' in message

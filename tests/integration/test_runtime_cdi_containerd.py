@@ -28,9 +28,8 @@ from ate_devplugd.doctor import render as render_doctor
 from ate_devplugd.kernel import UdevKernelView
 from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME, CdiVerdict
 from tests.fakes.kubelet import FakeKubelet
-from tests.integration.test_cri_containerd import VMM_USER, cri_devices
 from tests.podman import NodeStat
-from tests.runtimes.containerd import CheckerRun, ContainerdBuild, Images, run_kvmcheck, running
+from tests.runtimes.containerd import CheckerRun, ContainerdBuild, Images, run_allocated, running
 from tests.support import (
     RESOURCE,
     KvmAllocation,
@@ -113,13 +112,7 @@ async def observe(
                 findings = await examine(path, Node(kernel=UdevKernelView(), find_kubelet=lambda: str(binary)))
                 (response,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
                 allocation = KvmAllocation(response, Path(config.cdi_dir))
-                run = await run_kvmcheck(
-                    rt,
-                    devices=cri_devices(allocation),
-                    cdi_devices=allocation.cdi_names,
-                    run_as_user=VMM_USER[0],
-                    run_as_group=VMM_USER[1],
-                )
+                run = await run_allocated(rt, allocation)
                 events = running_daemon.events.named(EVENT_RUNTIME) + running_daemon.events.named(EVENT_NOT_APPLIED)
         finally:
             await kubelet.stop()

@@ -21,7 +21,8 @@ Images come from no registry: :func:`image_archive` writes a docker-archive of s
 :func:`run_kvmcheck` does what kubelet does for one pod with one container that asks for a device:
 RunPodSandbox (node network), CreateContainer (the Allocate answer's Devices and CDIDevices, a
 ``run_as_user``), StartContainer; it reads the checker's line from the container's CRI log and the OCI
-spec from the bundle's ``config.json`` while the container runs, then stops and removes both.
+spec from the bundle's ``config.json`` while the container runs, then stops and removes both;
+:func:`run_allocated` does it with a device plugin's Allocate answer for a VMM that is not root.
 
 Where containerd cannot run, :func:`require` skips, or fails with the reason when
 ``ATE_REQUIRE_CONTAINERD=1`` (``make check`` sets it). A series the release does not ship and no tree
@@ -50,7 +51,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import pytest
@@ -58,6 +59,9 @@ import pytest
 from ate_devplugd._pb.cri.v1 import api_pb2 as cri
 from ate_devplugd._pb.cri.v1 import api_pb2_grpc as cri_grpc
 from tests.podman import CHECKER_SOURCE, KvmCheck
+
+if TYPE_CHECKING:
+    from tests.support import KvmAllocation
 from tests.support import wait_for_path
 
 #: Set to 1 where the tests must not skip for want of containerd (``make check``).
@@ -781,13 +785,30 @@ def _ms(since: float) -> float:
     return (time.monotonic() - since) * 1000
 
 
+#: The VMM's user: the pod's runAsUser and runAsGroup.
+VMM_USER = (1000, 1000)
+
+
+async def run_allocated(runtime: Containerd, allocation: KvmAllocation) -> CheckerRun:
+    """The checker run as VMM_USER, as kubelet runs a container with the plugin's Allocate answer: its
+    DeviceSpecs as the CRI Devices and its CDI names as the CDIDevices (``kuberuntime_container.go``:
+    makeDevices, makeCDIDevices)."""
+    devices = [
+        cri.Device(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
+        for d in allocation.device_specs
+    ]
+    return await run_kvmcheck(
+        runtime, devices=devices, cdi_devices=allocation.cdi_names, run_as_user=VMM_USER[0], run_as_group=VMM_USER[1]
+    )
+
+
 async def run_kvmcheck(
     runtime: Containerd,
     *,
     devices: Sequence[cri.Device] = (),
     cdi_devices: Sequence[str] = (),
-    run_as_user: int | None = 1000,
-    run_as_group: int | None = 1000,
+    run_as_user: int | None = VMM_USER[0],
+    run_as_group: int | None = VMM_USER[1],
     name: str = "vmm",
 ) -> CheckerRun:
     """One pod with one container running the kvm checker (``/kvmcheck --hold``), created as kubelet

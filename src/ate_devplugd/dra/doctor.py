@@ -4,6 +4,10 @@ With the daemon's own credentials (the ``[dra]`` kubeconfig): the API server ans
 a DeviceClass whose ``extendedResourceName`` is the resource (what lets a pod's ``ate.dev/kvm: 1`` become
 a claim); this node's slice of each resource is published, with devices in it. Whether kubelet holds the
 driver's registration is the daemon's to say (its metrics, read by ``doctor.registration_finding``).
+
+kubelet's own credentials may not read DeviceClasses (neither the Node authorizer nor any default RBAC
+binding grants a node that); the service account of ``dra-manifests`` may. With kubelet's, the
+DeviceClass check is one WARN that says so and gives the command an administrator runs instead.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from typing import Any
 from ate_devplugd.config import Config
 from ate_devplugd.doctor import Finding, fail, ok, warn
 from ate_devplugd.dra import kubeconfig
-from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable
+from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiErrorKind, ApiUnavailable
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import pool_name
 
 DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
 APPLY = "ate-devplugd dra-manifests --kubelet-credentials | kubectl apply -f -"
+#: What an administrator runs where these credentials may not look: each DeviceClass and the resource it maps.
+LIST_CLASSES = "kubectl get deviceclass -o custom-columns=NAME:.metadata.name,RESOURCE:.spec.extendedResourceName"
 
 
 async def findings(cfg: Config, dra: DraConfig, timeout: float) -> list[Finding]:
@@ -52,11 +58,12 @@ async def _examine(client: ApiClient, cfg: Config, dra: DraConfig) -> list[Findi
     classes: dict[str, Any] | None
     try:
         classes = await client.request("GET", DEVICE_CLASSES)
-    except (ApiError, ApiUnavailable) as exc:
+    except ApiError as exc:
         classes = None
-        out.append(
-            warn("deviceclass", f"cannot list DeviceClasses with these credentials: {exc}", "kubectl get deviceclass")
-        )
+        out.append(_classes_refused(exc))
+    except ApiUnavailable as exc:
+        classes = None
+        out.append(warn("deviceclass", f"cannot list DeviceClasses: {exc}", f"an administrator runs: {LIST_CLASSES}"))
     by_pool = {obj.get("spec", {}).get("pool", {}).get("name"): obj for obj in slices.get("items") or []}
     for dev in cfg.devices:
         if classes is not None:
@@ -75,6 +82,18 @@ async def _examine(client: ApiClient, cfg: Config, dra: DraConfig) -> list[Findi
         else:
             out.append(fail(check, f"{name} holds no device (the device is absent)", "see the device line"))
     return out
+
+
+def _classes_refused(exc: ApiError) -> Finding:
+    remedy = f"an administrator runs: {LIST_CLASSES}"
+    if ApiErrorKind.of_status(exc.status) is not ApiErrorKind.FORBIDDEN:
+        return warn("deviceclass", f"cannot list DeviceClasses: {exc}", remedy)
+    return warn(
+        "deviceclass",
+        "these credentials may not list DeviceClasses, so no resource's DeviceClass is checked here "
+        "(kubelet's own never may; the service account that dra-manifests sets up may): " + exc.message,
+        remedy,
+    )
 
 
 def _device_class(classes: dict[str, Any], resource: str, dra: DraConfig) -> Finding:

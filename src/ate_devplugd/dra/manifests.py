@@ -3,8 +3,9 @@
 - one DeviceClass per resource: a CEL selector on the driver and the device's ``resource`` attribute,
   and ``extendedResourceName`` so that pods asking for ``ate.dev/kvm: 1`` get a claim (KEP-5004);
 - only for credentials that are not kubelet's own: a ClusterRole and its binding for the driver's
-  service account, and a ValidatingAdmissionPolicy that lets such a credential write only the
-  ResourceSlices of the node its token is bound to (node-bound service-account tokens).
+  service account (what the driver calls, and a read of DeviceClasses for ``doctor``), and a
+  ValidatingAdmissionPolicy that lets such a credential write only the ResourceSlices of the node its
+  token is bound to (node-bound service-account tokens).
 
 Every name is one the apiserver takes for its kind: the policy, its binding and ``spec.policyName``
 must be DNS subdomains (no ``:``, which RBAC names allow), so all four objects share the subdomain
@@ -60,6 +61,9 @@ def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE
                 # list and watch: the driver follows its Node until kubelet has created it
                 {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
                 {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": verbs_slices},
+                # read only: doctor checks each resource's DeviceClass (cluster-wide objects holding no secret;
+                # kubelet's credentials may not read them)
+                {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["get", "list"]},
             ],
         },
         {

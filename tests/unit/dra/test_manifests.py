@@ -37,7 +37,8 @@ class TestRender:
         }
 
     def test_access_objects(self) -> None:
-        """The RBAC grants what the driver calls, and the policy binds slices to the token's node and the driver."""
+        """The RBAC grants what the driver calls and what doctor reads, and the policy binds slices to the token's
+        node and the driver."""
         objs = docs(manifests.render(CONFIG, ["ate.dev/kvm"]))
         kinds = [o["kind"] for o in objs]
         assert kinds == [
@@ -54,6 +55,7 @@ class TestRender:
         role = next(o for o in objs if o["kind"] == "ClusterRole")
         rules = {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]}  # type: ignore[index, union-attr]
         assert ("resourceclaims", ("get",)) in rules and ("nodes", ("get", "list", "watch")) in rules
+        assert ("deviceclasses", ("get", "list")) in rules  # doctor's read, which kubelet's credentials lack
         policy = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicy")
         text = yaml.safe_dump(policy)
         assert "authentication.kubernetes.io/node-name" in text and "kvm.ate.dev" in text
