@@ -24,7 +24,6 @@ import posixpath
 import pwd
 import re
 import shutil
-import socket
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from ate_devplugd import config as configmod
 from ate_devplugd import devices, runtime_cdi
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from ate_devplugd.kernel import KernelView
-from ate_devplugd.kubelet_watch import KUBELET_SOCKET
+from ate_devplugd.kubelet_watch import KUBELET_SOCKET, socket_answers
 from ate_devplugd.lock import InstanceLock
 from ate_devplugd.runtime_cdi import CdiVerdict, RuntimeReport
 
@@ -261,20 +260,6 @@ def registration_finding(cfg: Config, resource: str, node: Node) -> Finding:
 
 
 # -- kubelet, cgroups ------------------------------------------------------------------------------
-
-
-def socket_answers(path: str) -> bool:
-    """A non-blocking connect: a listening socket answers (or has a full queue) at once."""
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-    try:
-        peer.connect(path)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        peer.close()
-    return True
 
 
 def find_kubelet(paths: Sequence[str] = KUBELET_PATHS) -> str | None:

@@ -35,6 +35,21 @@ log = logging.getLogger("ate_devplugd")
 KUBELET_SOCKET = "kubelet.sock"
 
 
+def socket_answers(path: str) -> bool:
+    """Whether a process listens on the unix socket ``path`` (a non-blocking connect: it answers or
+    refuses at once)."""
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        peer.connect(path)
+    except BlockingIOError:
+        return True  # its backlog is full: it listens
+    except OSError:
+        return False
+    finally:
+        peer.close()
+    return True
+
+
 class SocketLoss(enum.Enum):
     """Why a session's socket went."""
 
@@ -100,23 +115,10 @@ class KubeletWatch:
         """Why a socket served under generation ``known_generation`` is gone."""
         # Ask first, then count: a new kubelet.sock that answers had its create event queued before
         # the connect, so the drain after it sees the new generation.
-        answers = self._kubelet_answers()
+        answers = socket_answers(self.kubelet_socket)
         if self.look().generation != known_generation or not answers:
             return SocketLoss.KUBELET_RESTART
         return SocketLoss.FOREIGN
-
-    def _kubelet_answers(self) -> bool:
-        """Whether a process listens on kubelet.sock (a non-blocking connect: it answers or refuses at once)."""
-        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        try:
-            peer.connect(self.kubelet_socket)
-        except BlockingIOError:
-            return True  # its backlog is full: it listens
-        except OSError:
-            return False
-        finally:
-            peer.close()
-        return True
 
     def _on_events(self, events: list[DirEvent]) -> None:
         everyone = False
