@@ -176,7 +176,8 @@ class TestNodeAndOutages:
             took = loop.time() - created
             print(f"{case}: Node created -> slice published: {took * 1000:.1f} ms")
             assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
-            assert took < 1.0, took
+            # Generous for a loaded machine (measured 4-42 ms); a retry on the old back-off took seconds.
+            assert took < 2.0, took
 
     async def test_back_about_a_second_after_the_api_server(self) -> None:
         """An outage long enough for the back-off to grow (four failed sessions): the slices are published
@@ -194,7 +195,9 @@ class TestNodeAndOutages:
             await r.published()
             took = loop.time() - back
             print(f"API server back -> slices published again: {took * 1000:.0f} ms (retry delays {delays})")
-            assert took < 2.0, took
+            # Generous for a loaded machine (measured 0.65-0.8 s, retries at most 1 s apart); the old
+            # back-off took 4 s here.
+            assert took < 3.0, took
             assert all(d <= slices.RECONNECT_SECONDS for d in delays), delays
             (said,) = r.log.events("dra-api-back")
             assert said.levelno == logging.INFO
