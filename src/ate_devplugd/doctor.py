@@ -33,9 +33,10 @@ from ate_devplugd import config as configmod
 from ate_devplugd import devices, runtime_cdi
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from ate_devplugd.kernel import KernelView
-from ate_devplugd.kubelet_watch import KUBELET_SOCKET, socket_answers
+from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.lock import InstanceLock
 from ate_devplugd.runtime_cdi import CdiVerdict, RuntimeReport
+from ate_devplugd.unixsock import socket_answers
 
 #: Where ``kubelet --version`` is looked for when it is not on PATH.
 KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet")
