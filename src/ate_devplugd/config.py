@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import device_config
-from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml_str
+from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml_str, toml_value
 
 if TYPE_CHECKING:
     from ate_devplugd.dra.config import DraConfig
@@ -111,8 +111,12 @@ def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) ->
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read: {exc}"]) from exc
+    except OSError as exc:
+        raise ConfigError([f"cannot read {os.fspath(path)}: {exc.strerror or exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"cannot read {os.fspath(path)}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"]
+        ) from exc
     return parse(text, source=str(path), gid_of=gid_of)
 
 
@@ -132,7 +136,7 @@ def from_mapping(
     errors: list[str] = []
     known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket", "device", "mode"}
     known.add("dra")
-    errors.extend(f"unknown key {key!r}" for key in data if key not in known)
+    errors.extend(f"unknown key {toml_value(key)}" for key in data if key not in known)
     top: dict[str, Any] = {}
     for key in ("plugin_dir", "dev_root", "cdi_dir"):
         if key in data:
@@ -172,9 +176,9 @@ def from_mapping(
 
 def _abs_dir(key: str, value: object, errors: list[str]) -> str:
     if not isinstance(value, str):
-        errors.append(f"{key}: must be a string, not {value!r}")
+        errors.append(f"{key}: must be a string, not {toml_value(value)}")
     elif not value.startswith("/") or "\0" in value:
-        errors.append(f"{key}: must be an absolute path, not {value!r}")
+        errors.append(f"{key}: must be an absolute path, not {toml_value(value)}")
     else:
         return posixpath.normpath(value)
     return ""
@@ -184,10 +188,11 @@ def _metrics_file(value: object, errors: list[str]) -> str:
     if value == "":
         return ""
     if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
-        errors.append(f'metrics_file: must be an absolute path or "" (off), not {value!r}')
+        errors.append(f'metrics_file: must be an absolute path or "" (off), not {toml_value(value)}')
     elif not value.endswith(".prom") or posixpath.basename(value) == ".prom":
         errors.append(
-            f"metrics_file: {value!r} must name a *.prom file (the only files node_exporter's textfile collector reads)"
+            f"metrics_file: {toml_value(value)} must name a *.prom file "
+            "(the only files node_exporter's textfile collector reads)"
         )
     else:
         return posixpath.normpath(value)
@@ -198,7 +203,9 @@ def _runtime_socket(value: object, errors: list[str]) -> str:
     if value == "":
         return ""
     if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
-        errors.append(f'runtime_socket: must be an absolute path or "" (the usual runtime sockets), not {value!r}')
+        errors.append(
+            f'runtime_socket: must be an absolute path or "" (the usual runtime sockets), not {toml_value(value)}'
+        )
         return ""
     return posixpath.normpath(value)
 
@@ -206,7 +213,7 @@ def _runtime_socket(value: object, errors: list[str]) -> str:
 def _log_level(key: str, value: object, errors: list[str]) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
-    errors.append(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
+    errors.append(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {toml_value(value)}")
     return "info"
 
 
