@@ -135,7 +135,7 @@ def tables(
         errors.append(f"device: must be one or more [[device]] tables, not {toml_value(value)}")
         return ()
     devices: list[DeviceConfig] = []
-    seen: dict[str, dict[str, str]] = {"resource": {}, "path": {}, "socket": {}}
+    seen: dict[str, dict[str, str]] = {"resource": {}, "path": {}, "socket name": {}}
     for index, table in enumerate(value):
         where = f"device[{index}]"
         if not isinstance(table, dict):
@@ -150,11 +150,23 @@ def tables(
         dev = _device(where, {**table, "cdi": True} if cdi_required else table, errors, gid_of)
         if dev is None:
             continue
-        for kind, key in (("resource", dev.resource), ("path", dev.path), ("socket", dev.socket_name)):
-            if key in seen[kind]:
-                what = "socket name" if kind == "socket" else kind
-                errors.append(f"{where}: {what} {toml_value(key)} is already used by {seen[kind][key]}")
-            seen[kind][key] = where
+        # One line per table, however many of its names clash: the same socket name follows from the
+        # same resource, and a table given twice clashes in resource and path at once.
+        names = (("resource", dev.resource), ("path", dev.path), ("socket name", dev.socket_name))
+        clashes: dict[str, list[str]] = {}  # the earlier table -> our names it already uses
+        for kind, key in names:
+            if key in seen[kind] and not (kind == "socket name" and dev.resource in seen["resource"]):
+                clashes.setdefault(seen[kind][key], []).append(f"{kind} {toml_value(key)}")
+        if clashes:
+            errors.append(
+                f"{where}: "
+                + "; ".join(
+                    f"{' and '.join(used)} {'are' if len(used) > 1 else 'is'} already used by {other}"
+                    for other, used in clashes.items()
+                )
+            )
+        for kind, key in names:
+            seen[kind].setdefault(key, where)
         devices.append(dev)
     return tuple(devices)
 

@@ -59,3 +59,14 @@ async def test_unreadable_file_is_named_once(tmp_path: Path) -> None:
     status, out, err = await run_cli("check-config", "--config", str(missing))
     assert status == EX_CONFIG and out == ""
     assert err == f"ate-devplugd: config error: cannot read {missing}: No such file or directory\n", err
+
+
+async def test_one_duplicate_device_is_one_error_line(tmp_path: Path) -> None:
+    """A ``[[device]]`` table given twice (same resource, path and so socket) is one line, not three."""
+    cfg = config_file(tmp_path, KVM + KVM)
+    status, _, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == EX_CONFIG
+    assert error_lines(err) == [
+        "ate-devplugd: config error: device[1] (ate.dev/kvm): resource 'ate.dev/kvm' and path '/dev/kvm' "
+        "are already used by device[0] (ate.dev/kvm)"
+    ], err
