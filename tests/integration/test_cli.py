@@ -30,6 +30,73 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("ate-devplugd: config error: ")]
 
 
+# -- commands ----------------------------------------------------------------------------------------
+async def test_unknown_command_says_so_and_names_the_commands() -> None:
+    """``ate-devplugd bogus`` is an unknown command (not argparse's "unrecognized arguments"), and the
+    message lists every command."""
+    status, out, err = await run_cli("bogus")
+    assert status == EX_USAGE, err
+    assert out == ""
+    assert "unknown command 'bogus'" in err and "unrecognized arguments" not in err, err
+    for name in COMMANDS:
+        assert name in err, (name, err)
+
+
+async def test_config_may_come_before_or_after_the_command(tmp_path: Path) -> None:
+    """``--config X check-config`` is ``check-config --config X`` (and ``--config=X``), reading X."""
+    cfg = config_file(tmp_path, KVM + "count = 7\n")
+    results = [
+        await run_cli("--config", str(cfg), "check-config"),
+        await run_cli("check-config", "--config", str(cfg)),
+        await run_cli(f"--config={cfg}", "check-config"),
+    ]
+    for status, out, err in results:
+        assert status == 0, err
+        assert "count = 7" in out, out
+    assert len({out for _, out, _ in results}) == 1
+
+
+async def test_options_alone_still_mean_run(tmp_path: Path) -> None:
+    """Options without a command are the daemon's (``run`` is the default): a bad file stops it at 78."""
+    cfg = config_file(tmp_path, KVM + "count = 0\n")
+    status, _, err = await run_cli("--config", str(cfg), "--log-target", "console")
+    assert status == EX_CONFIG, err
+    assert "count: 0 must be an integer" in err
+    assert not (tmp_path / "plugins").exists()
+
+
+async def test_help_lists_each_command_once_with_its_line() -> None:
+    """``--help`` lists the commands once, each on one line with what it does; each command's own help
+    starts with that line."""
+    status, out, _ = await run_cli("--help")
+    assert status == 0
+    lines = out.splitlines()
+    for name in COMMANDS:
+        listed = [line for line in lines if line.split()[:1] == [name]]
+        assert len(listed) == 1, (name, out)
+        assert len(listed[0].split()) > 3, listed  # the name and what the command does
+    assert "{run," not in out  # argparse's own list of choices
+    for name in COMMANDS:
+        status, own, _ = await run_cli(name, "--help")
+        assert status == 0
+        description = own.split("\n\n")[1].replace("\n", " ")
+        line = next(line for line in lines if line.split()[:1] == [name])
+        assert description == line.split(maxsplit=1)[1], (description, line)
+
+
+async def test_probe_timeout_has_a_default_and_must_be_positive(tmp_path: Path) -> None:
+    """``probe --help`` shows the timeout's default; 0, a negative or a non-finite number is refused
+    with a clear message before anything is probed."""
+    status, out, _ = await run_cli("probe", "--help")
+    assert status == 0
+    assert "(default 5)" in " ".join(out.split()), out
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        status, out, err = await run_cli("probe", "--timeout", bad, "--plugin-dir", str(tmp_path))
+        assert status == EX_USAGE, (bad, err)
+        assert out == ""
+        assert f"--timeout: must be a number of seconds above 0, e.g. 5, not {bad}" in err, err
+
+
 # -- config errors as TOML ----------------------------------------------------------------------------
 async def test_config_errors_show_values_as_written_in_toml(tmp_path: Path) -> None:
     """Booleans, octal modes, tables and arrays appear in TOML form, never as Python."""
