@@ -188,13 +188,23 @@ def main(argv: list[str] | None = None) -> int:
         return _config_error(exc)
 
     if args.command == "check-config":
-        sys.stdout.write(configmod.render(cfg))
-        return os.EX_OK
+        return _check_config(cfg)
     if args.command == "probe":
         return _probe(cfg, args.timeout)
     if args.command == "dra-manifests":
         return _dra_manifests(cfg, with_access=not args.kubelet_credentials)
     return _run(cfg, args, early)
+
+
+def _check_config(cfg: configmod.Config) -> int:
+    """The effective config on stdout; on stderr what else the config means on this host."""
+    review = configmod.review(cfg)
+    for line in review.notes:
+        print(f"ate-devplugd: note: {line}", file=sys.stderr)
+    if review.errors:
+        return _config_error(ConfigError(list(review.errors)))
+    sys.stdout.write(configmod.render(cfg))
+    return os.EX_OK
 
 
 def _run_overrides(args: argparse.Namespace) -> dict[str, str | None]:

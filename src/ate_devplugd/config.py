@@ -1,9 +1,9 @@
 """Configuration: a TOML file, validated field by field into frozen dataclasses.
 
-Nothing here touches the file system beyond reading the one file (a group name in ``container_gid``
-is looked up in the host's group database, and DRA mode's default node name is the host name); every
-error names the key, the ``[[device]]`` table it sits in and the bad value, and all errors are
-reported together.
+Loading touches the file system only to read the one file (a group name in ``container_gid`` is
+looked up in the host's group database, and DRA mode's default node name is the host name); every
+error names the key, the ``[[device]]`` table it sits in and the bad value (as TOML), and all errors
+are reported together. ``review``, for ``check-config`` only, also looks at each device path.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class Config:
     mode: str = "device-plugin"
     #: The ``[dra]`` table: read in DRA mode, and checked whenever it is given.
     dra: DraConfig | None = None
+    #: No ``[[device]]`` table was read: ``devices`` are the defaults (``check-config`` says so).
+    devices_defaulted: bool = field(default=False, compare=False)
 
     def with_overrides(
         self, *, plugin_dir: str | None = None, dev_root: str | None = None, log_level: str | None = None
@@ -106,7 +108,7 @@ def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) ->
     """Read and validate the config file; ``None`` or a missing default file gives the defaults."""
     if path is None:
         if not os.path.exists(DEFAULT_CONFIG_PATH):
-            return Config()
+            return Config(devices_defaulted=True)
         path = DEFAULT_CONFIG_PATH
     try:
         with open(path, encoding="utf-8") as fh:
@@ -163,6 +165,7 @@ def from_mapping(
     devices = data.get("device", defaults if mode == "dra" else None)
     if devices is not None:
         top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
+    top["devices_defaulted"] = "device" not in data
     if mode == "dra" and not errors:
         from ate_devplugd.cdi import qualified_name  # noqa: PLC0415
         from ate_devplugd.dra.pools import DraResource, build_pools  # noqa: PLC0415
@@ -172,6 +175,37 @@ def from_mapping(
     if errors:
         raise ConfigError(errors)
     return Config(**top)
+
+
+@dataclass(frozen=True)
+class Review:
+    """What ``check-config`` says of a valid config beyond the file itself, one line each."""
+
+    #: A device path that cannot be a device node on this host (a directory): exit 78, as for the file's errors.
+    errors: tuple[str, ...]
+    #: What the file leaves to the defaults that a reader may not expect.
+    notes: tuple[str, ...]
+
+
+def review(config: Config) -> Review:
+    """Look at a loaded config as ``check-config`` does: each device path on this host (under
+    ``dev_root``), and whether the devices are the defaults.
+
+    Only ``check-config`` calls this: the daemon serves a path that is a directory as an absent device
+    (it may become the node later), and says so in STATUS.
+    """
+    errors: list[str] = []
+    notes: list[str] = []
+    for index, dev in enumerate(config.devices):
+        where = f"device[{index}] ({dev.resource})"
+        if os.path.isdir(posixpath.join(config.dev_root, dev.path.lstrip("/"))):
+            errors.append(
+                f"{where}: path: {toml_value(dev.path)} is a directory; path names a device node, e.g. '/dev/kvm'"
+            )
+    if config.devices_defaulted:
+        default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
+        notes.append(f"no [[device]] table: serving the default {default}")
+    return Review(tuple(errors), tuple(notes))
 
 
 def _abs_dir(key: str, value: object, errors: list[str]) -> str:

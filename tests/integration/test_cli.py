@@ -137,3 +137,28 @@ async def test_one_duplicate_device_is_one_error_line(tmp_path: Path) -> None:
         "ate-devplugd: config error: device[1] (ate.dev/kvm): resource 'ate.dev/kvm' and path '/dev/kvm' "
         "are already used by device[0] (ate.dev/kvm)"
     ], err
+
+
+# -- what check-config says of the host -----------------------------------------------------------------
+async def test_device_path_that_is_a_directory_fails_check_config(tmp_path: Path) -> None:
+    """``path = "/dev/shm"`` (a directory) fails check-config with 78 and says why."""
+    cfg = config_file(tmp_path, '[[device]]\nresource = "ate.dev/shm"\npath = "/dev/shm"\n')
+    (tmp_path / "root" / "dev" / "shm").mkdir()
+    status, out, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == EX_CONFIG and out == "", err
+    assert error_lines(err) == [
+        "ate-devplugd: config error: device[0] (ate.dev/shm): path: '/dev/shm' is a directory; "
+        "path names a device node, e.g. '/dev/kvm'"
+    ], err
+
+
+async def test_no_device_table_says_the_default_is_served(tmp_path: Path) -> None:
+    """A file without ``[[device]]`` serves the default device, and check-config says so on stderr
+    (stdout stays the effective config); a file with a table gets no such line."""
+    cfg = config_file(tmp_path, "")
+    status, out, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == 0, err
+    assert err == "ate-devplugd: note: no [[device]] table: serving the default ate.dev/kvm -> /dev/kvm\n", err
+    assert 'resource = "ate.dev/kvm"' in out
+    status, _, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM, "kvm.toml")))
+    assert status == 0 and err == "", err
