@@ -201,6 +201,8 @@ def _check_config(cfg: configmod.Config) -> int:
     review = configmod.review(cfg)
     for line in review.notes:
         print(f"ate-devplugd: note: {line}", file=sys.stderr)
+    for line in review.warnings:
+        print(f"ate-devplugd: config warning: {line}", file=sys.stderr)
     if review.errors:
         return _config_error(ConfigError(list(review.errors)))
     sys.stdout.write(configmod.render(cfg))

@@ -183,18 +183,21 @@ class Review:
 
     #: A device path that cannot be a device node on this host (a directory): exit 78, as for the file's errors.
     errors: tuple[str, ...]
+    #: Legal but costly settings (``count`` above COSTLY_COUNT): said, exit 0.
+    warnings: tuple[str, ...]
     #: What the file leaves to the defaults that a reader may not expect.
     notes: tuple[str, ...]
 
 
 def review(config: Config) -> Review:
     """Look at a loaded config as ``check-config`` does: each device path on this host (under
-    ``dev_root``), and whether the devices are the defaults.
+    ``dev_root``), what each ``count`` costs kubelet, and whether the devices are the defaults.
 
     Only ``check-config`` calls this: the daemon serves a path that is a directory as an absent device
     (it may become the node later), and says so in STATUS.
     """
     errors: list[str] = []
+    warnings: list[str] = []
     notes: list[str] = []
     for index, dev in enumerate(config.devices):
         where = f"device[{index}] ({dev.resource})"
@@ -202,10 +205,12 @@ def review(config: Config) -> Review:
             errors.append(
                 f"{where}: path: {toml_value(dev.path)} is a directory; path names a device node, e.g. '/dev/kvm'"
             )
+        if dev.count > device_config.COSTLY_COUNT and config.mode == "device-plugin":  # DRA: dra.devices
+            warnings.append(f"{where}: count: {dev.count} {device_config.count_cost(dev.count)}")
     if config.devices_defaulted:
         default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
         notes.append(f"no [[device]] table: serving the default {default}")
-    return Review(tuple(errors), tuple(notes))
+    return Review(tuple(errors), tuple(warnings), tuple(notes))
 
 
 def _abs_dir(key: str, value: object, errors: list[str]) -> str:

@@ -162,3 +162,15 @@ async def test_no_device_table_says_the_default_is_served(tmp_path: Path) -> Non
     assert 'resource = "ate.dev/kvm"' in out
     status, _, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM, "kvm.toml")))
     assert status == 0 and err == "", err
+
+
+async def test_large_count_warns_of_its_cost_and_still_passes(tmp_path: Path) -> None:
+    """Above 16384 units check-config warns what they cost kubelet; exit 0. At 16384 it says nothing."""
+    status, out, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM + "count = 16385\n")))
+    assert status == 0, err
+    assert "count = 16385" in out
+    (line,) = err.splitlines()
+    assert line.startswith("ate-devplugd: config warning: device[0] (ate.dev/kvm): count: 16385 units cost kubelet")
+    assert "3.3 MiB" in line, line  # 214 B a unit
+    status, _, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM + "count = 16384\n")))
+    assert status == 0 and err == "", err
