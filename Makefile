@@ -13,7 +13,7 @@ STAMPS    := .cache/stamps
 PB        := src/ate_devplugd/_pb
 PROTO     := proto/deviceplugin/v1beta1/api.proto
 # DRA and CRI protos: proto/<dir>/api.proto is generated as ate_devplugd._pb.<dir as package>.api_pb2
-DRA_PROTO_DIRS := dra/v1 dra/v1beta1 pluginregistration/v1 drahealth/v1alpha1 cri/v1
+DRA_PROTO_DIRS := dra/v1 dra/v1beta1 pluginregistration/v1 drahealth/v1alpha1 cri/v1 podresources/v1
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/ate_devplugd/__init__.py)
 DEB       := dist/ate-devplugd_$(VERSION)_all.deb
 NOBODY    := setpriv --reuid=65534 --regid=65534 --clear-groups
