@@ -30,8 +30,21 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 #: node_exporter's textfile directory on Debian, and our file in it.
 DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Keys a reload cannot change: the plugin directory (the instance lock and the sockets' home), the mode
+#: and the ``[dra]`` table (a new mode would read the devices under other rules: DRA mode gives each a CDI
+#: spec).
+RESTART_ONLY = ("plugin_dir", "mode", "dra")
 
-__all__ = ["Config", "ConfigError", "DeviceConfig", "diff", "load", "parse", "render"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DeviceConfig",
+    "diff",
+    "load",
+    "parse",
+    "render",
+    "restart_only_change",
+]
 
 
 class ConfigError(Exception):
@@ -102,6 +115,21 @@ def diff(old: Config, new: Config) -> ConfigDiff:
         removed=tuple(name for name in before if name not in after),
         unchanged=tuple(name for name in after if name in before and after[name] == before[name]),
     )
+
+
+def restart_only_change(running: Config, new: Config) -> str | None:
+    """One line naming each restart-only key (``RESTART_ONLY``) ``new`` changes, new value first, as TOML;
+    None when a reload may apply ``new``."""
+    parts = []
+    for key in ("plugin_dir", "mode"):
+        if getattr(new, key) != getattr(running, key):
+            parts.append(f"{key} = {toml_value(getattr(new, key))} (running: {toml_value(getattr(running, key))})")
+    if new.dra != running.dra:
+        parts.append("[dra] " + ("added" if running.dra is None else "removed" if new.dra is None else "changed"))
+    if not parts:
+        return None
+    verb = "changes" if len(parts) == 1 else "change"
+    return f"{', '.join(parts)}: {verb} only on restart, so nothing of this reload was applied"
 
 
 def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) -> Config:

@@ -10,17 +10,20 @@ from then on, and so does the question to the container runtime whether it appli
 main loop sleeps until a signal's flag is set; the only timers are the watchdog ping, the sessions'
 back-off and the metrics file's coalescing delay. Reload applies a config diff: added
 resources are served, removed ones stopped, changed ones keep serving (their new list goes out on the
-open ListAndWatch stream).
+open ListAndWatch stream). A reload is applied whole or not at all: a config error, a socket another
+process serves, or a changed restart-only key (``config.RESTART_ONLY``; in DRA mode also the set of
+resources) refuses it before anything changes, and STATUS ends with ``reload refused HH:MM:SS: <why>``
+until the next good reload.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -81,6 +84,8 @@ class Daemon:
         self._wake = asyncio.Event()
         self._reload_requested = False
         self._ready = False
+        #: The end of STATUS after a reload that was refused or failed, until the next good one.
+        self._reload_note: str | None = None
 
     # -- signals: handlers only set flags --------------------------------------------------------
     def request_stop(self) -> None:
@@ -222,8 +227,9 @@ class Daemon:
                 self._notifier.reloading()
                 try:
                     applied = await self.reload()
-                except Exception:  # noqa: BLE001 - a failed reload must not take the running daemon down
+                except Exception as exc:  # noqa: BLE001 - a failed reload must not take the running daemon down
                     self._events.error("reload-failed", "reload failed; the daemon keeps running", exc_info=True)
+                    self._reload_note = f"reload failed {time.strftime('%H:%M:%S')}: {exc}"
                     applied = False
                 if applied:
                     self._metrics.reload()
@@ -249,7 +255,9 @@ class Daemon:
         the runtime does with CDI names, once it has answered."""
         line = self._mode.status_line() if self._mode is not None else "starting"
         report = self._runtime.report
-        return line if report is None else f"{line} | cdi: {report.describe()}"
+        if report is not None:
+            line += f" | cdi: {report.describe()}"
+        return line if self._reload_note is None else f"{line} | {self._reload_note}"
 
     def _update_status(self) -> None:
         if self._ready:
@@ -259,26 +267,34 @@ class Daemon:
     async def reload(self) -> bool:
         """Apply a re-read config: added resources served, removed ones stopped, changed ones kept serving.
 
-        False when the new config is refused (the running one is kept)."""
+        False when the new config is refused: nothing of it is applied, the running one is kept, and
+        STATUS says why until the next good reload."""
         try:
             new = self._reload_config() if self._reload_config is not None else self.config
         except ConfigError as exc:
             for line in exc.errors:
                 self._events.error("reload-failed", "config error, keeping the running config: %s", line)
-            return False
-        logging.getLogger().setLevel(new.log_level.upper())
-        for key in ("plugin_dir", "mode", "dra"):
-            if getattr(new, key) != getattr(self.config, key):
-                log.warning("%s changes only on restart; keeping %s", key, getattr(self.config, key))
-                new = dataclasses.replace(new, **{key: getattr(self.config, key)})
+            return self._refused(exc.errors[0])
+        restart = configmod.restart_only_change(self.config, new)
         change = configmod.diff(self.config, new)
+        if restart is None and self.config.mode == "dra" and (change.added or change.removed):
+            names = [f"adding {name}" for name in change.added] + [f"removing {name}" for name in change.removed]
+            restart = (
+                f"DRA mode's set of resources changes only on restart ({', '.join(names)}), "
+                "so nothing of this reload was applied"
+            )
+        if restart is not None:
+            self._events.error("reload-failed", "%s", restart)
+            return self._refused(restart)
         added = tuple(dev for dev in new.devices if dev.resource in change.added)
         busy = busy_sockets(new.plugin_dir, added) if new.mode != "dra" else []
         for msg in busy:
             self._events.error("reload-failed", "%s; keeping the running config", msg)
         if busy:
-            return False
+            return self._refused(busy[0])
+        logging.getLogger().setLevel(new.log_level.upper())
         self.config = new
+        self._reload_note = None
         assert self._mode is not None and self._registry is not None
         await self._mode.stop(change.removed)
         for name in change.removed:
@@ -301,3 +317,8 @@ class Daemon:
             len(change.unchanged),
         )
         return True
+
+    def _refused(self, why: str) -> bool:
+        """A refused reload: STATUS ends with when and why (the first error) until the next good one."""
+        self._reload_note = f"reload refused {time.strftime('%H:%M:%S')}: {why}"
+        return False

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
+from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from tests.fakes.kubelet import FakeKubelet
 from tests.fault.harness import full_tmpfs, read_only_bind
@@ -33,6 +35,7 @@ from tests.support import (
     kvm_config,
     started_kubelet,
     wait_for_path,
+    write_config,
 )
 
 
@@ -266,6 +269,77 @@ class TestReload:
                 assert registrations(kubelet) == 1
         finally:
             await kubelet.stop()
+
+    async def test_refused_reload_stays_in_status_until_a_good_one(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """After a refused reload STATUS (sent with READY=1) ends with `reload refused HH:MM:SS: <first
+        error>`, and stops saying so at the next good reload."""
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        current: list[Config | ConfigError] = [config]
+
+        def reload() -> Config:
+            if isinstance(current[0], ConfigError):
+                raise current[0]
+            return current[0]
+
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel, reload_config=reload, notify=notify.path) as running:
+                await notify.wait_for(lambda f: f.get("STATUS") == "ate.dev/kvm: 8/8 healthy, registered")
+                first = "device[0] (ate.dev/kvm): count: 0 must be an integer from 1 to 65536"
+                current[0] = ConfigError([first, "unknown key 'bogus'"])
+                running.daemon.request_reload()
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                kept, refused = ready["STATUS"].split(" | reload refused ")
+                assert kept == "ate.dev/kvm: 8/8 healthy, registered"
+                assert re.fullmatch(r"\d\d:\d\d:\d\d: " + re.escape(first), refused), ready
+                current[0] = kvm_config(plugin_dir, fake_root, count=4)
+                running.daemon.request_reload()
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"] == "ate.dev/kvm: 4/4 healthy, registered", ready
+        finally:
+            await kubelet.stop()
+            await notify.close()
+
+    async def test_mode_change_is_refused_whole(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Device-plugin mode running, a file with `mode = "dra"` and another count: one line names the
+        restart-only keys and nothing is applied. CDI stays off (DRA mode reads every device as a CDI one),
+        the count stays, kubelet sees nothing new, and STATUS says the reload was refused."""
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        path = write_config(
+            tmp_path / "c.toml",
+            plugin_dir,
+            fake_root,
+            'mode = "dra"\n[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 4\n',
+        )
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(
+                config, kernel, reload_config=lambda: configmod.load(path), notify=notify.path
+            ) as running:
+                await kubelet.next_event("list")
+                await notify.wait_for(lambda f: "READY" in f)
+                running.daemon.request_reload()
+                record = await running.events.wait_for("reload-failed")
+                line = "mode = 'dra' (running: 'device-plugin'), [dra] added: change only on restart"
+                assert record.getMessage().startswith(line) and record.levelno == logging.ERROR
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"].split(" | reload refused ")[1].split(": ", 1)[1].startswith(line), ready
+                assert running.daemon.config == config
+                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-7"])).container_responses
+                assert not cresp.cdi_devices
+                assert not (tmp_path / "cdi" / "ate.dev-kvm.json").exists()
+                assert [e.kind for e in kubelet.history if e.kind in ("register", "list")] == ["register", "list"]
+                assert not running.events.named("reload")
+                assert len(running.events.named("reload-failed")) == 1
+        finally:
+            await kubelet.stop()
+            await notify.close()
 
 
 class TestHotplug:

@@ -185,7 +185,8 @@ class TestReload:
             await kubelet.stop()
 
     async def test_bad_config_keeps_the_old(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-        """A broken config on SIGHUP is logged field by field; nothing changes."""
+        """A broken config on SIGHUP is logged field by field; nothing changes but STATUS, which ends with
+        the first error."""
         kubelet = FakeKubelet(plugin_dir)
         await kubelet.start()
         notify = NotifyReceiver(tmp_path / "notify")
@@ -197,7 +198,9 @@ class TestReload:
                 await proc.signal(signal.SIGHUP)
                 await notify.wait_for(lambda f: "RELOADING" in f)
                 ready = await notify.wait_for(lambda f: "READY" in f)
-                assert ready["STATUS"] == "ate.dev/kvm: 4096/4096 healthy, registered"
+                kept, refused = ready["STATUS"].split(" | reload refused ")
+                assert kept == "ate.dev/kvm: 4096/4096 healthy, registered"
+                assert re.fullmatch(r"\d\d:\d\d:\d\d: device\[0\] \(ate.dev/kvm\): unknown key 'bogus'", refused), ready
                 log = proc.log()
                 assert "count: 0" in log and "unknown key 'bogus'" in log and "keeping the running config" in log
                 assert len([e for e in kubelet.history if e.kind == "register"]) == 1
