@@ -30,6 +30,10 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 #: node_exporter's textfile directory on Debian, and our file in it.
 DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Where the daemon keeps the config it runs (the unit's RuntimeDirectory=; systemd passes it as
+#: $RUNTIME_DIRECTORY), for `probe` when the file on disk does not parse.
+DEFAULT_RUNTIME_DIR = "/run/ate-devplugd"
+RUNNING_CONFIG_NAME = "running-config.toml"
 #: Keys a reload cannot change: the plugin directory (the instance lock and the sockets' home), the mode
 #: and the ``[dra]`` table (a new mode would read the devices under other rules: DRA mode gives each a CDI
 #: spec).
@@ -44,6 +48,7 @@ __all__ = [
     "parse",
     "render",
     "restart_only_change",
+    "running_config_path",
 ]
 
 
@@ -130,6 +135,13 @@ def restart_only_change(running: Config, new: Config) -> str | None:
         return None
     verb = "changes" if len(parts) == 1 else "change"
     return f"{', '.join(parts)}: {verb} only on restart, so nothing of this reload was applied"
+
+
+def running_config_path(environ: Mapping[str, str] = os.environ) -> str:
+    """The running daemon's copy of its config: in $RUNTIME_DIRECTORY (its first entry) when systemd
+    set it, else in ``DEFAULT_RUNTIME_DIR``."""
+    runtime_dir = environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or DEFAULT_RUNTIME_DIR
+    return posixpath.join(runtime_dir, RUNNING_CONFIG_NAME)
 
 
 def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) -> Config:

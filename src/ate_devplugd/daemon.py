@@ -13,12 +13,14 @@ resources are served, removed ones stopped, changed ones keep serving (their new
 open ListAndWatch stream). A reload is applied whole or not at all: a config error, a socket another
 process serves, or a changed restart-only key (``config.RESTART_ONLY``; in DRA mode also the set of
 resources) refuses it before anything changes, and STATUS ends with ``reload refused HH:MM:SS: <why>``
-until the next good reload.
+until the next good reload. Under systemd the config it runs is kept in its runtime directory
+(``running-config.toml``, rewritten at start and after each good reload) for ``probe``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ate_devplugd import atomicfile
 from ate_devplugd import config as configmod
 from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
@@ -63,9 +66,12 @@ class Daemon:
         kernel: KernelView | None = None,
         monitor_factory: MonitorFactory | None = None,
         notifier: Notifier | None = None,
+        running_config: str | None = None,
     ) -> None:
         self.config = config
         self._reload_config = reload_config
+        #: Where the config it runs is kept for `probe` (None: nowhere; the CLI gives it under systemd).
+        self._running_config = running_config
         self._kernel = kernel
         self._monitor_factory = monitor_factory
         self._notifier = notifier or Notifier.from_env()
@@ -138,6 +144,7 @@ class Daemon:
             self._watch.close()
             self._lock.release()
             self._notifier.close()
+            self._forget_running_config()
 
     async def _start(self) -> bool:
         """Watch, then read the state, then serve; False if another process serves our sockets."""
@@ -166,6 +173,7 @@ class Daemon:
             log.error("cannot serve: %s; is another ate-devplugd running? Not starting", exc)  # noqa: TRY400 - it says why
             return False
         self._ready = True
+        self._keep_running_config()
         self._notifier.ready(self.status_line())
         self._events.info("ready", "ready: %s", self.status_line())
         # Metrics from now on: the first write comes after READY.
@@ -308,6 +316,7 @@ class Daemon:
             self._udev.set_subsystems(self._registry.subsystems())
         await self._mode.start(change.added)
         self._ask_runtime()
+        self._keep_running_config()
         self._events.info(
             "reload",
             "reloaded: %d added, %d changed, %d removed, %d unchanged",
@@ -322,3 +331,24 @@ class Daemon:
         """A refused reload: STATUS ends with when and why (the first error) until the next good one."""
         self._reload_note = f"reload refused {time.strftime('%H:%M:%S')}: {why}"
         return False
+
+    # -- the running config, for `probe` ----------------------------------------------------------
+    def _keep_running_config(self) -> None:
+        """Write the config being run (as TOML, in one step) where `probe` finds it when the file on disk
+        does not parse."""
+        if self._running_config is None:
+            return
+        try:
+            atomicfile.replace_file(self._running_config, configmod.render(self.config).encode(), 0o644)
+        except OSError as exc:
+            self._events.warning(
+                "running-config-failed",
+                "cannot write %s (%s); probe reads only the config file",
+                self._running_config,
+                exc.strerror,
+            )
+
+    def _forget_running_config(self) -> None:
+        if self._running_config is not None and self._ready:
+            with contextlib.suppress(OSError):
+                os.unlink(self._running_config)

@@ -250,3 +250,8 @@ class TestRestartOnly:
         """plugin_dir and the [dra] table (even in device-plugin mode, where it is only checked)."""
         line = config.restart_only_change(config.parse(before + KVM), config.parse(after + KVM))
         assert line == f"{named}: changes only on restart, so nothing of this reload was applied"
+
+    def test_running_config_path(self) -> None:
+        """In $RUNTIME_DIRECTORY (its first entry) under systemd; /run/ate-devplugd otherwise."""
+        assert config.running_config_path({}) == "/run/ate-devplugd/running-config.toml"
+        assert config.running_config_path({"RUNTIME_DIRECTORY": "/run/x:/run/y"}) == "/run/x/running-config.toml"
