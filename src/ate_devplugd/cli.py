@@ -50,6 +50,7 @@ examples:
   ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
+             77 not root: cannot create or write the plugin directory (EX_NOPERM);
              1 probe found a socket that does not answer, or doctor found a FAIL; 2 bad usage.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
 """

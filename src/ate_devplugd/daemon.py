@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -38,7 +39,7 @@ from ate_devplugd.endpoint import SocketInUseError
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
-from ate_devplugd.lock import InstanceLock, busy_sockets, make_plugin_dir
+from ate_devplugd.lock import InstanceLock, NoPermissionError, busy_sockets, make_plugin_dir, no_permission
 from ate_devplugd.logs import EventLog
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.notify import Notifier, watchdog_interval
@@ -125,8 +126,12 @@ class Daemon:
             return os.EX_CANTCREAT
         watchdog: asyncio.Task[None] | None = None
         try:
-            if not await self._start():
-                return os.EX_CANTCREAT
+            try:
+                if not await self._start():
+                    return os.EX_CANTCREAT
+            except NoPermissionError as exc:
+                self._events.error("no-permission", "%s; not starting", exc)
+                return os.EX_NOPERM
             watchdog = self._start_watchdog()
             await self._main_loop()
             self._notifier.stopping()
@@ -169,6 +174,10 @@ class Daemon:
             return False
         try:
             await self._mode.start([dev.resource for dev in self.config.devices])
+        except PermissionError as exc:  # DRA mode makes its directories in kubelet's, as root only can
+            if exc.errno != errno.EACCES or exc.filename is None:
+                raise
+            raise no_permission("create", str(exc.filename)) from exc
         except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
             log.error("cannot serve: %s; is another ate-devplugd running? Not starting", exc)  # noqa: TRY400 - it says why
             return False
