@@ -126,11 +126,14 @@ def restart_only_change(running: Config, new: Config) -> str | None:
     """One line naming each restart-only key (``RESTART_ONLY``) ``new`` changes, new value first, as TOML;
     None when a reload may apply ``new``."""
     parts = []
-    for key in ("plugin_dir", "mode"):
-        if getattr(new, key) != getattr(running, key):
-            parts.append(f"{key} = {toml_value(getattr(new, key))} (running: {toml_value(getattr(running, key))})")
-    if new.dra != running.dra:
-        parts.append("[dra] " + ("added" if running.dra is None else "removed" if new.dra is None else "changed"))
+    for key in RESTART_ONLY:
+        was, now = getattr(running, key), getattr(new, key)
+        if now == was:
+            continue
+        if key == "dra":  # a table: said in a word
+            parts.append("[dra] " + ("added" if was is None else "removed" if now is None else "changed"))
+        else:
+            parts.append(f"{key} = {toml_value(now)} (running: {toml_value(was)})")
     if not parts:
         return None
     verb = "changes" if len(parts) == 1 else "change"

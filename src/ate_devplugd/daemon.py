@@ -358,6 +358,7 @@ class Daemon:
             )
 
     def _forget_running_config(self) -> None:
+        """At the stop: no copy outlives the daemon (systemd removes its runtime directory too)."""
         if self._running_config is not None and self._ready:
             with contextlib.suppress(OSError):
                 os.unlink(self._running_config)
