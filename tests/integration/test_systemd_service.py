@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from ate_devplugd import config as configmod
 from tests.fakes.kubelet import FakeKubelet
 from tests.support import NotifyReceiver, daemon, subprocess_env, wait_for_content, wait_for_path, write_config
 
 VHOST = '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\ncount = {count}\n'
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = {count}\n'
+UNIT = Path(__file__).resolve().parents[2] / "packaging" / "ate-devplugd.service"
 
 
 def null_node(root: Path) -> None:
@@ -283,3 +285,22 @@ class TestThreads:
                 assert after.count(pool) <= before.count(pool) + 1, (before, after)
         finally:
             await kubelet.stop()
+
+
+class TestUnitFile:
+    def test_reload_signals_then_checks_the_file(self) -> None:
+        """ExecReload sends SIGHUP first (the daemon refuses a bad file itself and says so in STATUS),
+        then runs check-config (a bad file fails the reload job, its errors logged as the daemon's); the
+        runtime directory is the one `probe` reads the running config from."""
+        directives: dict[str, list[str]] = {}
+        for line in UNIT.read_text().splitlines():
+            if re.match(r"[A-Za-z]+=", line):
+                key, value = line.split("=", 1)
+                directives.setdefault(key, []).append(value)
+        assert directives["ExecReload"] == [
+            "/bin/kill -HUP $MAINPID",
+            "/bin/sh -c 'exec /usr/bin/ate-devplugd check-config >/dev/null'",
+        ]
+        assert directives["SyslogIdentifier"] == ["ate-devplugd"]
+        assert ["/run/" + directives["RuntimeDirectory"][0]] == [configmod.DEFAULT_RUNTIME_DIR]
+        assert configmod.running_config_path({}).startswith(configmod.DEFAULT_RUNTIME_DIR + "/")
