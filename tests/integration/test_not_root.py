@@ -47,12 +47,14 @@ def open_tmp() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-async def start_refused(open_tmp: Path, plugin_dir: Path) -> tuple[int, list[str], list[dict[str, str]]]:
+async def start_refused(
+    open_tmp: Path, plugin_dir: Path, devices: str | None = None
+) -> tuple[int, list[str], list[dict[str, str]]]:
     """Run the daemon as not root on ``plugin_dir``: its exit status, its stderr lines and every sd_notify
     datagram it sent."""
     dev_root = open_tmp / "root"
     (dev_root / "dev").mkdir(parents=True)
-    cfg = write_config(open_tmp / "c.toml", plugin_dir, dev_root)
+    cfg = write_config(open_tmp / "c.toml", plugin_dir, dev_root, devices)
     cfg.chmod(0o644)
     notify = NotifyReceiver(open_tmp / "notify", read=False)
     (open_tmp / "notify").chmod(0o666)
@@ -94,7 +96,8 @@ async def start_refused(open_tmp: Path, plugin_dir: Path) -> tuple[int, list[str
 
 
 def assert_one_clear_line(lines: list[str], expected: str) -> None:
-    errors = [line for line in lines if not line.startswith(("info:", "debug:"))]
+    """One error line, the expected one (warnings about the host, such as no udevd, may come before it)."""
+    errors = [line for line in lines if not line.startswith(("info:", "debug:", "warning:"))]
     assert errors == [f"error: {expected}; not starting  [event=no-permission]"], lines
     assert not [line for line in lines if "Traceback" in line], lines
 
@@ -132,3 +135,27 @@ async def test_plugin_dir_it_cannot_write(open_tmp: Path) -> None:
     )
     assert not [fields for fields in sent if "READY" in fields], sent
     assert os.listdir(plugin_dir) == []
+
+
+async def test_dra_directories_it_cannot_make(open_tmp: Path) -> None:
+    """DRA mode's sockets go in kubelet's directory, root's: exit 77 with one line naming the directory it
+    could not make, instead of "is another ate-devplugd running?" and 73."""
+    kubelet_dir = open_tmp / "kubelet"
+    kubelet_dir.mkdir()
+    kubelet_dir.chmod(0o555)
+    plugin_dir = open_tmp / "device-plugins"
+    plugin_dir.mkdir()
+    if os.geteuid() == 0:
+        os.chown(plugin_dir, NOBODY, NOBODY)
+    dra = f'mode = "dra"\n[dra]\nnode_name = "node-1"\nkubelet_dir = "{kubelet_dir}"\n'
+    status, lines, sent = await start_refused(
+        open_tmp, plugin_dir, dra + '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
+    )
+    assert status == os.EX_NOPERM, lines
+    uid = NOBODY if os.geteuid() == 0 else os.geteuid()
+    assert_one_clear_line(
+        lines,
+        f"cannot create {kubelet_dir}/plugins: permission denied (uid {uid}); ate-devplugd runs as root, "
+        "and the directory must be root's",
+    )
+    assert not [fields for fields in sent if "READY" in fields], sent
