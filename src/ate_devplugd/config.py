@@ -236,8 +236,9 @@ def review(config: Config) -> Review:
     """Look at a loaded config as ``check-config`` does: each device path on this host (under
     ``dev_root``), what each ``count`` costs kubelet, and whether the devices are the defaults.
 
-    Only ``check-config`` calls this: the daemon serves a path that is a directory as an absent device
-    (it may become the node later), and says so in STATUS.
+    ``check-config`` and a reload call this: at start the daemon serves a path that is a directory as an
+    absent device (it may become the node later) and says so in STATUS, but a reload refuses what
+    ``check-config`` refuses, since the unit's reload runs ``check-config`` and fails on its errors.
     """
     errors: list[str] = []
     warnings: list[str] = []

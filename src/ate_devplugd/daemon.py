@@ -292,6 +292,11 @@ class Daemon:
             for line in exc.errors:
                 self._events.error("reload-failed", "config error, keeping the running config: %s", line)
             return self._refused(exc.errors[0])
+        review = configmod.review(new)  # what check-config refuses (ExecReload fails on it too)
+        for line in review.errors:
+            self._events.error("reload-failed", "config error, keeping the running config: %s", line)
+        if review.errors:
+            return self._refused(review.errors[0])
         restart = configmod.restart_only_change(self.config, new)
         change = configmod.diff(self.config, new)
         if restart is None and self.config.mode == "dra" and (change.added or change.removed):

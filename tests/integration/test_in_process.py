@@ -354,6 +354,31 @@ class TestReload:
             await kubelet.stop()
             await notify.close()
 
+    async def test_what_check_config_refuses_is_refused(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A device path that is a directory on this host: check-config refuses it (and so fails the unit's
+        reload), and so does the reload itself, instead of applying a file `systemctl reload` reports
+        as failed."""
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        (fake_root / "dev" / "shm").mkdir()
+        moved = dataclasses.replace(config, devices=(dataclasses.replace(config.devices[0], path="/dev/shm"),))
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel, reload_config=lambda: moved) as running:
+                await kubelet.next_event("list")
+                running.daemon.request_reload()
+                record = await running.events.wait_for("reload-failed")
+                assert record.getMessage() == (
+                    "config error, keeping the running config: device[0] (ate.dev/kvm): path: '/dev/shm' is a "
+                    "directory; path names a device node, e.g. '/dev/kvm'"
+                )
+                assert running.daemon.config == config
+                assert " | reload refused " in running.daemon.status_line()
+                await kubelet.allocate(RESOURCE, ["kvm-7"])
+        finally:
+            await kubelet.stop()
+
     async def test_probe_uses_the_running_config_when_the_file_is_broken(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
