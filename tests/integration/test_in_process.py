@@ -24,7 +24,7 @@ import pytest
 from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from tests.fakes.kubelet import FakeKubelet
-from tests.fault.harness import full_tmpfs, read_only_bind
+from tests.fault.harness import LOADED_WAIT, full_tmpfs, read_only_bind
 from tests.support import (
     RESOURCE,
     SOCKET,
@@ -141,7 +141,7 @@ class TestKubeletRestart:
                 for _ in range(lives):
                     arrived.clear()
                     await kubelet.restart()
-                    async with asyncio.timeout(10):
+                    async with asyncio.timeout(LOADED_WAIT):
                         await arrived.wait()
                 kubelet.register_delay = 0.0
                 await kubelet.restart()
