@@ -29,9 +29,20 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
 - objects sent are validated as the apiserver would (422 Invalid, names per kind: see apivalidation),
   and, where the ``kubernetes`` PyPI client is installed (the venv), against its v1 models: a field the
   real API does not know fails;
+- node-bound service-account tokens (``mint_token()``, as ``kubectl create token --bound-object-kind
+  Node`` makes them): none can be made for a Node that does not exist (``nodes "<node>" not found``), and
+  one stops authenticating (401) once its Node is deleted or created again (a new uid), or once
+  ``expire_token()`` says its time is up (the token authenticator checks the bound object's uid and the
+  expiry at every request);
 - ``hold_creates()``: slice creates wait until ``release_creates()`` (to put an event between a
   deletion and the republish); ``stop()`` then ``start()`` again serves the same port and the same store
-  (an API server outage).
+  (an API server outage);
+- an API server that has just started answers before its informers have synced (seen on 1.36.2, and
+  the contract's §9): ``authenticators_ready = False`` answers 401 to service-account tokens (the token
+  authenticator looks up a bound token's ServiceAccount and Node in its informers); ``authorizers_ready =
+  False`` gives RBAC no binding yet (the service account: 403) and the Node authorizer an empty graph (a
+  node's get, update and delete of a slice and its get of a claim: 403; what NodeRestriction and the
+  selector rules decide without the graph, creates and list/watch and its own Node, still pass).
 """
 
 from __future__ import annotations
@@ -122,6 +133,12 @@ class FakeApiServer:
         self.pki = pki
         self.consumable_capacity = True
         self.forbid_after_create = 0
+        self.authenticators_ready = True
+        self.authorizers_ready = True
+        #: Node-bound service-account tokens: token -> (node name, the Node's uid when it was minted).
+        self.bound_tokens: dict[str, tuple[str, str]] = {}
+        #: Answers 401 (credentials refused or not known yet), as they were given.
+        self.unauthorized_answers = 0
         self.nodes: dict[str, dict[str, Any]] = {}
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
@@ -158,6 +175,20 @@ class FakeApiServer:
         uid = self.nodes[name]["metadata"]["uid"]
         self._record("nodes", "DELETED", self.nodes.pop(name))
         self._collect_garbage(uid)
+
+    def mint_token(self, node: str | None = None) -> str:
+        """A service-account token bound to Node ``node`` (this one by default), as ``kubectl create token
+        --bound-object-kind Node`` makes it; ValueError if that Node does not exist."""
+        name = self.node_name if node is None else node
+        if name not in self.nodes:
+            raise ValueError(f'nodes "{name}" not found')
+        token = "sa." + uuid.uuid4().hex
+        self.bound_tokens[token] = (name, self.nodes[name]["metadata"]["uid"])
+        return token
+
+    def expire_token(self, token: str) -> None:
+        """The token's expiry passed: it authenticates no more."""
+        self.bound_tokens.pop(token, None)
 
     def hold_creates(self) -> None:
         """Slice creates wait (their request arrived) until ``release_creates()``."""
@@ -312,6 +343,8 @@ class FakeApiServer:
         except Problem as p:
             if p.code == 403:
                 self.forbidden_answers += 1
+            if p.code == 401:
+                self.unauthorized_answers += 1
             return web.json_response(status(p.code, p.reason, p.message), status=p.code)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911 - one return per route
@@ -363,11 +396,19 @@ class FakeApiServer:
     def _authorize(self, request: web.Request, bearer: str | None) -> Caller:
         """Who the request is from, and whether that credential may make it (``apiauthz``); the Node
         authorizer's rules for the resources it judges itself are applied by the handlers."""
-        if self.service_account_token is not None and bearer == f"Bearer {self.service_account_token}":
+        token = bearer.removeprefix("Bearer ") if bearer else ""
+        if token in self.bound_tokens:
+            name, uid = self.bound_tokens[token]
+            if self.nodes.get(name, {}).get("metadata", {}).get("uid") != uid:  # its Node is gone, or new
+                raise Problem(401, "Unauthorized", "Unauthorized")
+            caller = Caller.SERVICE_ACCOUNT
+        elif self.service_account_token is not None and bearer == f"Bearer {self.service_account_token}":
             caller = Caller.SERVICE_ACCOUNT
         elif self.token is None or bearer == f"Bearer {self.token}":
             caller = Caller.NODE
         else:
+            raise Problem(401, "Unauthorized", "Unauthorized")
+        if caller is Caller.SERVICE_ACCOUNT and not self.authenticators_ready:
             raise Problem(401, "Unauthorized", "Unauthorized")
         attrs = apiauthz.attributes(request.method, request.path, request.query)
         if attrs is None:
@@ -376,11 +417,16 @@ class FakeApiServer:
             namespace, name = self.service_account
             user = f"system:serviceaccount:{namespace}:{name}"
             groups = ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"]
-            if not apiauthz.rbac_allows(self.objects, user, groups, attrs):
+            rbac = self.objects if self.authorizers_ready else {}
+            if not apiauthz.rbac_allows(rbac, user, groups, attrs):
                 raise Problem(403, "Forbidden", apiauthz.forbidden_message(user, attrs))
             return caller
         judged = apiauthz.node_authorizer_judges(attrs)
-        if judged and (attrs.group, attrs.resource.split("/")[0]) not in _NODE_HANDLED:  # no graph: nothing is related
+        graph_needed = attrs.verb in ("get", "update", "patch", "delete") and attrs.resource.split("/")[0] != "nodes"
+        if judged and (
+            (attrs.group, attrs.resource.split("/")[0]) not in _NODE_HANDLED  # no graph: nothing is related
+            or (graph_needed and not self.authorizers_ready)  # its graph is empty until its informers sync
+        ):
             raise Problem(403, "Forbidden", f"no relationship found between node '{self.node_name}' and this object")
         if not judged and not apiauthz.node_rules_allow(attrs):
             raise Problem(403, "Forbidden", apiauthz.forbidden_message(f"system:node:{self.node_name}", attrs))
