@@ -5,15 +5,20 @@ daemon runs (real HTTP to the fake API server, real gRPC from the fake kubelet, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 from pathlib import Path
 
 import pytest
 
-from ate_devplugd.dra import slices
+from ate_devplugd.doctor import Level
+from ate_devplugd.dra import doctor, slices
+from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.slices import SliceState
-from tests.integration.dra_rig import DRIVER, POOL, Rig, rig, write_token
+from tests.fakes.apiserver import FakeApiServer
+from tests.integration.dra_rig import DRIVER, NODE, POOL, Rig, rig, write_kubeconfig, write_token
+from tests.support import kvm_config
 
 #: The publisher's back-off as the daemon runs it (DraDriver's default): 0.5 s, doubling up to 30 s.
 DAEMON_BACKOFF = (0.5, 30.0)
@@ -172,3 +177,25 @@ class TestRenewedToken:
             response = await r.kubelet.prepare(DRIVER, ("ns", claim, "vm"))
             assert response.claims[claim].error == ""
             assert r.api.unauthorized_answers == 0
+
+
+class TestDoctor:
+    async def test_refused_token_is_a_fail_with_the_remedy(self, tmp_path: Path) -> None:
+        """``doctor`` with a token the API server refuses (its Node created again): one FAIL saying why,
+        with the command that mints a new one."""
+        api = FakeApiServer(NODE)
+        await api.start()
+        try:
+            token = tmp_path / "token"
+            write_token(token, api.mint_token())
+            kc = write_kubeconfig(tmp_path / "kubeconfig", api.url, token_file=str(token))
+            dra = DraConfig(node_name=NODE, kubeconfig=str(kc))
+            config = dataclasses.replace(kvm_config(tmp_path, tmp_path), mode="dra", dra=dra)
+            api.recreate_node()
+            (finding,) = await doctor.findings(config, dra, 2.0)
+            assert (finding.check, finding.level) == ("apiserver", Level.FAIL)
+            assert "does not accept the token" in finding.message and "401" in finding.message
+            assert "kubectl create token ate-devplugd -n ate-devplugd --bound-object-kind Node" in finding.remedy
+            assert f"--bound-object-name {NODE}" in finding.remedy
+        finally:
+            await api.stop()
