@@ -53,14 +53,18 @@ class CredentialFiles:
         self._watchers.clear()
 
     def load(self) -> Credentials:
-        """The credentials as the files say now; from now on a change to any of those files is seen."""
-        self._stale = False
+        """The credentials as the files say now; from now on a change to any of those files is seen.
+
+        A load that reads other bytes than the last one (a change whose event is not handled yet) raises
+        the generation too, so whoever loaded before learns of it; a caller notes the generation after
+        its load."""
+        announced, self._stale = self._stale, False
         try:
             credentials = self._load(self.path)
         except KubeconfigError as exc:
-            self._follow(exc.sources)
+            self._follow(exc.sources, announced)
             raise
-        self._follow(credentials.sources)
+        self._follow(credentials.sources, announced)
         return credentials
 
     async def changed(self, after: int) -> None:
@@ -69,7 +73,12 @@ class CredentialFiles:
             event = self._changed
             await event.wait()
 
-    def _follow(self, sources: tuple[Source, ...]) -> None:
+    def _follow(self, sources: tuple[Source, ...], announced: bool) -> None:
+        """Compare with what was read before (unless a change was already announced) and watch the files."""
+        before = dict(self._sources)
+        changed = [path for path, seen in sources if path in before and before[path] != seen]
+        if changed and not announced:
+            self._changed_now(changed)
         self._sources = sources
         if self._watch(path for path, _ in sources):
             # A directory watched only now: a change between the read and the watch is looked for here.
@@ -111,6 +120,9 @@ class CredentialFiles:
         if not changed:
             return
         self._stale = True
+        self._changed_now(changed)
+
+    def _changed_now(self, changed: list[str]) -> None:
         self.generation += 1
         EventLog(log).info(
             "dra-credentials-changed",

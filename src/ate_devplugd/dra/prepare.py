@@ -156,10 +156,9 @@ class Preparer:
         api = self._api
         if api is None or self._api_generation != self._files.generation:
             old, self._api = api, None
-            generation = self._files.generation
             try:
                 api = self._api = ApiClient(self._files.load(), self._metrics.api_error)
-                self._api_generation = generation
+                self._api_generation = self._files.generation  # after the load: what it read is in use
             finally:
                 if old is not None:
                     await old.close()

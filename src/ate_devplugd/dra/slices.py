@@ -301,8 +301,10 @@ class SlicePublisher:
         return delay
 
     async def _session(self) -> None:
-        self._files_generation = self.files.generation
-        credentials = self.files.load()
+        try:
+            credentials = self.files.load()
+        finally:
+            self._files_generation = self.files.generation  # after the load: what it read is in use
         self._token = credentials.token
         client = ApiClient(credentials, self._metrics.api_error if self._metrics is not None else None)
         tasks = [asyncio.ensure_future(self._serve(client)), asyncio.ensure_future(self._credentials_changed())]

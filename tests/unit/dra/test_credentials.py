@@ -93,6 +93,19 @@ class TestCredentialFiles:
         finally:
             files.close()
 
+    def test_a_load_that_reads_new_bytes_is_a_change(self, tmp_path: Path) -> None:
+        """Without a watch (or before its event is handled), a load that reads another token raises the
+        generation, so a client made from the earlier load is made again."""
+        (tmp_path / "token").write_text("one")
+        write_kubeconfig(tmp_path / "kc", "token")
+        files = CredentialFiles(str(tmp_path / "kc"))
+        files.load()
+        files.load()
+        assert files.generation == 0
+        (tmp_path / "token").write_text("two")
+        assert files.load().headers["Authorization"] == "Bearer two"
+        assert files.generation == 1
+
     async def test_broken_kubeconfig_fixed(self, tmp_path: Path) -> None:
         """A kubeconfig that cannot be used is followed too: the fix is seen."""
         (tmp_path / "kc").write_text("clusters: [")
