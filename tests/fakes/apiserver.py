@@ -12,8 +12,13 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   DeviceClass: 403); ``forbid_after_create = N`` answers 403 to the next N get, update or delete of a
   slice just created (the authorizer's graph lags behind its own watch). ``service_account_token`` is
   the driver's service account with a token bound to this node, judged by RBAC over the ClusterRoles and
-  bindings an administrator created here (none: 403 for everything); its slice writes are kept to this
-  node, as the admission policy of ``dra-manifests`` keeps them;
+  bindings an administrator created here (none: 403 for everything); once a ValidatingAdmissionPolicy
+  and a binding of it (Deny) are in force, its slice writes (create, update, delete) are kept to the
+  node its token is bound to, as the policy of ``dra-manifests`` keeps them (the fake does not evaluate
+  CEL: a bound policy stands for that one), refused as the apiserver refuses them (422 Invalid,
+  ``ValidatingAdmissionPolicy '<p>' with binding '<b>' denied request: ...``); ``policy_lag = True``:
+  a policy created or replaced is in force only after ``refresh_policies()`` (the apiserver's policy
+  source refreshes at most once a second, while an RBAC grant works at once: contract §9);
 - ``consumable_capacity = False``: the DRAConsumableCapacity gate is off and ``allowMultipleAllocations``
   is dropped silently (§4b);
 - ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2); ``wipe_driver()``:
@@ -139,6 +144,9 @@ class FakeApiServer:
         self.bound_tokens: dict[str, tuple[str, str]] = {}
         #: Answers 401 (credentials refused or not known yet), as they were given.
         self.unauthorized_answers = 0
+        self.policy_lag = False
+        #: The admission policies and bindings in force: (kind, namespace, name) -> object.
+        self._policies: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
@@ -185,6 +193,24 @@ class FakeApiServer:
         token = "sa." + uuid.uuid4().hex
         self.bound_tokens[token] = (name, self.nodes[name]["metadata"]["uid"])
         return token
+
+    def refresh_policies(self) -> None:
+        """The apiserver's policy source refreshes: the policies and bindings stored now are in force."""
+        kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+        self._policies = {key: copy.deepcopy(obj) for key, obj in self.objects.items() if key[0] in kinds}
+
+    def _policy_in_force(self) -> tuple[str, str] | None:
+        """(policy, binding) of a policy bound with Deny and in force, if any."""
+        for (kind, _, name), binding in self._policies.items():
+            spec = binding.get("spec") or {}
+            policy = spec.get("policyName", "")
+            if (
+                kind == "ValidatingAdmissionPolicyBinding"
+                and ("ValidatingAdmissionPolicy", "", policy) in self._policies
+                and "Deny" in (spec.get("validationActions") or [])
+            ):
+                return policy, name
+        return None
 
     def expire_token(self, token: str) -> None:
         """The token's expiry passed: it authenticates no more."""
@@ -353,6 +379,7 @@ class FakeApiServer:
         if self.admin_token is not None and bearer == f"Bearer {self.admin_token}":
             return await self._admin(request)
         caller = self._authorize(request, bearer)
+        token_node = self._token_node(bearer)
         if path.startswith(NODES) and method == "GET":
             return await self._nodes(request, caller)
         if m := re.fullmatch(r"/apis/resource.k8s.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)", path):
@@ -360,30 +387,39 @@ class FakeApiServer:
         if path.startswith(COLLECTIONS["DeviceClass"]) and method == "GET":
             return self._device_classes(path)
         if path == SLICES and method == "POST":
-            return web.json_response(await self._create(await self._body(request), caller), status=201)
+            body = await self._body(request)
+            return web.json_response(await self._create(body, caller, token_node), status=201)
         if path == SLICES and method == "GET":
             selector = self._selector(request.query.get("fieldSelector", ""), caller)
             if request.query.get("watch") in ("1", "true"):
                 return await self._watch(request, "resourceslices", selector)
             return web.json_response(self._list("ResourceSliceList", self.slices.values(), selector))
         if m := re.fullmatch(SLICES + r"/([^/]+)", path):
-            name = m[1]
-            if self._forbidden.get(name, 0) > 0:
-                self._forbidden[name] -= 1
-                raise Problem(
-                    403,
-                    "Forbidden",
-                    f"node '{self.node_name}' cannot {method} resourceslice {name}: "
-                    "no relationship to this object was found in the node authorizer graph",
-                )
-            if method == "GET":
-                return web.json_response(self._get(self.slices, name, "resourceslices.resource.k8s.io"))
-            if method == "PUT":
-                return web.json_response(self._update(name, await self._body(request), caller))
-            if method == "DELETE":
-                self._get(self.slices, name, "resourceslices.resource.k8s.io")
-                return web.json_response(self._delete(name))
+            return await self._slice(request, m[1], caller, token_node)
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
+
+    async def _slice(self, request: web.Request, name: str, caller: Caller, token_node: str) -> web.StreamResponse:
+        """GET, PUT or DELETE of one slice."""
+        method = request.method
+        if self._forbidden.get(name, 0) > 0:
+            self._forbidden[name] -= 1
+            raise Problem(
+                403,
+                "Forbidden",
+                f"node '{self.node_name}' cannot {method} resourceslice {name}: "
+                "no relationship to this object was found in the node authorizer graph",
+            )
+        if method == "GET":
+            return web.json_response(self._get(self.slices, name, "resourceslices.resource.k8s.io"))
+        if method == "PUT":
+            body = await self._body(request)
+            return web.json_response(self._update(name, body, caller, token_node))
+        if method == "DELETE":
+            old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
+            if caller is Caller.SERVICE_ACCOUNT:
+                self._confine(old, token_node)
+            return web.json_response(self._delete(name))
+        raise Problem(405, "MethodNotAllowed", f"{method} is not supported here")
 
     def _device_classes(self, path: str) -> web.StreamResponse:
         """List or get the DeviceClasses an administrator created."""
@@ -493,6 +529,8 @@ class FakeApiServer:
         obj["metadata"]["uid"] = self.objects[key]["metadata"]["uid"] if key in self.objects else str(uuid.uuid4())
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
         self.objects[key] = obj
+        if not self.policy_lag:
+            self.refresh_policies()
         return copy.deepcopy(obj)
 
     @staticmethod
@@ -520,10 +558,15 @@ class FakeApiServer:
             )
         return selector
 
-    async def _create(self, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
+    def _token_node(self, bearer: str | None) -> str:
+        """The node a service-account token is bound to (the static one: this node)."""
+        token = bearer.removeprefix("Bearer ") if bearer else ""
+        return self.bound_tokens[token][0] if token in self.bound_tokens else self.node_name
+
+    async def _create(self, body: dict[str, Any], caller: Caller, token_node: str) -> dict[str, Any]:
         if self._creates_open is not None:
             await self._creates_open.wait()
-        obj = self._admit(body, None, caller)
+        obj = self._admit(body, None, caller, token_node)
         meta = obj["metadata"]
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = generated_name(meta["generateName"], uuid.uuid4().hex[:5])
@@ -539,9 +582,9 @@ class FakeApiServer:
         self._record("resourceslices", "ADDED", obj)
         return copy.deepcopy(obj)
 
-    def _update(self, name: str, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
+    def _update(self, name: str, body: dict[str, Any], caller: Caller, token_node: str) -> dict[str, Any]:
         old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
-        obj = self._admit(body, old, caller)
+        obj = self._admit(body, old, caller, token_node)
         errors = validate_meta("ResourceSlice", obj)
         if obj["metadata"].get("name") != name:
             errors.append("metadata.name: Invalid value: field is immutable")
@@ -562,16 +605,35 @@ class FakeApiServer:
         self._record("resourceslices", "MODIFIED", obj)
         return copy.deepcopy(obj)
 
-    def _admit(self, body: dict[str, Any], old: dict[str, Any] | None, caller: Caller) -> dict[str, Any]:
+    def _confine(self, obj: dict[str, Any], token_node: str) -> None:
+        """The admission policy of ``dra-manifests``, once in force: a service account's token writes only
+        the slices of the node it is bound to."""
+        in_force = self._policy_in_force()
+        node = (obj.get("spec") or {}).get("nodeName", "")
+        if in_force is not None and node != token_node:
+            policy, binding = in_force
+            name = (obj.get("metadata") or {}).get("name", "")
+            raise Problem(
+                422,
+                "Invalid",
+                f'resourceslices.resource.k8s.io "{name}" is forbidden: ValidatingAdmissionPolicy '
+                f"'{policy}' with binding '{binding}' denied request: only ResourceSlices of node "
+                f"{token_node} may be written",
+            )
+
+    def _admit(
+        self, body: dict[str, Any], old: dict[str, Any] | None, caller: Caller, token_node: str
+    ) -> dict[str, Any]:
         """Validation, NodeRestriction (or, for the service account, the admission policy of
         ``dra-manifests``) and the dropping of fields whose feature gate is off."""
         errors = validate_slice(body, old)
         if errors:
             raise Problem(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(errors))
-        if body["spec"].get("nodeName") != self.node_name:
-            if caller is Caller.SERVICE_ACCOUNT:
-                message = f"only ResourceSlices of node {self.node_name} may be written"
-                raise Problem(403, "Forbidden", f"admission policy denied request: {message}")
+        if caller is Caller.SERVICE_ACCOUNT:
+            self._confine(body, token_node)
+            if old is not None:
+                self._confine(old, token_node)
+        elif body["spec"].get("nodeName") != self.node_name:
             raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot create a ResourceSlice of another node")
         obj = copy.deepcopy(body)
         if not self.consumable_capacity:
