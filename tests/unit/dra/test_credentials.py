@@ -106,6 +106,21 @@ class TestCredentialFiles:
         assert files.load().headers["Authorization"] == "Bearer two"
         assert files.generation == 1
 
+    async def test_token_file_written_later(self, tmp_path: Path) -> None:
+        """A token file (and its directory) that does not exist yet is waited for: its arrival is a change."""
+        write_kubeconfig(tmp_path / "kc", "tokens/token")
+        files = CredentialFiles(str(tmp_path / "kc"))
+        files.start()
+        try:
+            with pytest.raises(kubeconfig.KubeconfigError, match="tokenFile: cannot read"):
+                files.load()
+            (tmp_path / "tokens").mkdir()
+            renamed(tmp_path / "tokens" / "token", "one")
+            await changed(files, 0)
+            assert files.load().headers["Authorization"] == "Bearer one"
+        finally:
+            files.close()
+
     async def test_broken_kubeconfig_fixed(self, tmp_path: Path) -> None:
         """A kubeconfig that cannot be used is followed too: the fix is seen."""
         (tmp_path / "kc").write_text("clusters: [")
