@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import os
@@ -634,6 +635,9 @@ async def daemon_in_process(
                         await task
 
 
+_DAEMON_LOGS = itertools.count(1)
+
+
 class DaemonProcess:
     """``python -m ate_devplugd run`` as a subprocess, its stderr kept in a file."""
 
@@ -642,7 +646,9 @@ class DaemonProcess:
         self.args = args
         self.env = env or subprocess_env()
         self.log_level = log_level
-        self.log_path = config.with_suffix(f".{id(self)}.log")
+        # A number of its own: an id() is reused once the object is gone, and a later process would then
+        # append to an earlier one's log (a trial killed before its first line read as one that ran).
+        self.log_path = config.with_suffix(f".{next(_DAEMON_LOGS)}.log")
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> DaemonProcess:
