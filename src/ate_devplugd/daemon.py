@@ -147,7 +147,7 @@ class Daemon:
         if self.config.dra is not None and self.config.mode == "dra":
             from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
 
-            self._mode = DraMode(self.config.dra, self._registry, self._metrics, self._update_status)
+            self._mode = DraMode(self.config.dra, self._registry, self._metrics, self._update_status, self._watch)
         else:
             self._mode = DevicePlugins(self._registry, self._watch, self._metrics, self._update_status)
         self._registry.apply(self.config.devices, self.config.dev_root)
