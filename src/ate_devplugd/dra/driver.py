@@ -243,6 +243,8 @@ class DraDriver:
         self.metrics.registration(registered)
         self._ever_registered = True
         if self._follower is not None:
+            # Hints already queued are judged against the previous kubelet, in here; this one is then
+            # remembered and followed.
             self._follower.registered()
         if registered:
             self.kubelet = KubeletState.REGISTERED

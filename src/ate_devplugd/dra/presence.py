@@ -13,8 +13,9 @@ nothing), so no file event tells. What does tell, each on the loop:
 - ``kubelet.sock`` removed or created (``KubeletWatch``): a starting kubelet removes the old one and
   creates its own.
 
-Each is only a hint: ``holds()`` then looks (does kubelet.sock answer? has a kubelet.sock been created
-since the registration?), so a lost or reordered event cannot leave a wrong answer.
+Each is only a hint: ``holds()`` then looks (does kubelet.sock answer? is it still the process that
+registered the driver, or, where its pid is not known, has a kubelet.sock been created since?), so a lost
+or reordered event cannot leave a wrong answer.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 class Presence(enum.Enum):
     """The kubelet that registered the driver, as seen now."""
 
-    #: It still runs (its kubelet.sock answers, and no newer one was created).
+    #: It still runs (its kubelet.sock answers, from the same process).
     HOLDS = "holds"
-    #: A newer kubelet.sock was created: another kubelet, which has not registered the driver (yet).
+    #: Another kubelet answers on kubelet.sock, which has not registered the driver (yet).
     RESTARTED = "restarted"
     #: Its kubelet.sock does not answer: no kubelet runs.
     GONE = "gone"
@@ -69,6 +70,7 @@ class KubeletPresence:
         #: The kubelet generation (count of kubelet.sock creations) the driver was registered under.
         self._generation = -1
         self._pidfd = -1
+        #: The pid listening on kubelet.sock when kubelet registered the driver (None: not known).
         self._pid: int | None = None
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -91,36 +93,48 @@ class KubeletPresence:
     def registered(self) -> None:
         """kubelet has just registered the driver: remember which kubelet, and follow its process."""
         self._generation = self._watch.look().generation
+        self._pid = self._kubelet_pid()
         self._follow()
 
     def holds(self) -> Presence:
-        """Whether the kubelet that registered the driver still runs (ask first, then count, as
-        ``KubeletWatch.socket_loss`` does: a new kubelet.sock that answers had its create event queued
-        before the connect)."""
+        """Whether the kubelet that registered the driver still runs. Its pid tells, where known (an
+        inotify overflow or the directory coming back counts as a new kubelet.sock, which it is not);
+        else the kubelet generation, counted after asking (as ``KubeletWatch.socket_loss`` does: a new
+        kubelet.sock that answers had its create event queued before the connect)."""
         answers = socket_answers(self._watch.kubelet_socket)
         generation = self._watch.look().generation
         if not answers:
             return Presence.GONE
-        if generation != self._generation:
-            return Presence.RESTARTED
-        return Presence.HOLDS
+        if self._pid is not None:
+            return Presence.HOLDS if self._kubelet_pid() == self._pid else Presence.RESTARTED
+        return Presence.HOLDS if generation == self._generation else Presence.RESTARTED
+
+    def _kubelet_pid(self) -> int | None:
+        pid = listener_pid(self._watch.kubelet_socket)
+        return None if pid == os.getpid() else pid  # a kubelet stand-in in this very process tells nothing
 
     def _follow(self) -> None:
         self._unfollow()
-        pid = listener_pid(self._watch.kubelet_socket)
-        if pid is None or pid == os.getpid():  # a kubelet stand-in in this very process: nothing to follow
+        pid = self._pid
+        if pid is None:
             return
         try:
             fd = os.pidfd_open(pid)
-        except (AttributeError, OSError) as exc:  # no pidfd (Linux before 5.3): the other hints remain
+        except (
+            AttributeError,
+            OSError,
+        ) as exc:  # no pidfd (Linux before 5.3, a seccomp filter): the other hints remain
             log.debug("dra: cannot follow kubelet's process %d: %s", pid, exc)
             return
-        self._pidfd, self._pid = fd, pid
-        asyncio.get_running_loop().add_reader(fd, self._exited)
-        if listener_pid(self._watch.kubelet_socket) != pid:  # it ended (or was replaced) in between
-            self._exited()
+        self._pidfd = fd
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, self._exited)
+        if self._kubelet_pid() != pid:  # it ended (or was replaced) in between: a hint once the caller is done
+            loop.call_soon(self._exited)
 
     def _exited(self) -> None:
+        if self._pidfd < 0:  # already heard (the reader and the check above may both call)
+            return
         self._unfollow()
         self._on_change()
 
