@@ -10,6 +10,11 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
+from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.driver import DraDriver, KubeletState
+from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.presence import KubeletPresence, Presence, listener_pid
 from ate_devplugd.kubelet_watch import KubeletWatch
 
@@ -114,3 +119,59 @@ class TestPresence:
         finally:
             presence.close()
             watch.close()
+
+
+class Follower:
+    """A KubeletFollower whose answer the test sets."""
+
+    def __init__(self) -> None:
+        self.seen = Presence.HOLDS
+        self.registrations = 0
+
+    def start(self) -> None:
+        pass
+
+    def registered(self) -> None:
+        self.registrations += 1
+
+    def holds(self) -> Presence:
+        return self.seen
+
+    def close(self) -> None:
+        pass
+
+
+class TestDriverState:
+    """DraDriver's kubelet state from the follower's answers (no sockets: the state machine alone)."""
+
+    def driver(self, follower: Follower) -> DraDriver:
+        config = DraConfig(node_name="node-1", kubelet_dir="/nonexistent/kubelet")
+        return DraDriver(config, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")], kubelet=follower)
+
+    def test_hints_before_any_registration_change_nothing(self) -> None:
+        follower = Follower()
+        driver = self.driver(follower)
+        driver.kubelet = KubeletState.WAITING
+        follower.seen = Presence.GONE
+        driver.kubelet_changed()
+        assert driver.kubelet is KubeletState.WAITING
+
+    @pytest.mark.parametrize(
+        ("seen", "state"),
+        [
+            (Presence.HOLDS, KubeletState.REGISTERED),
+            (Presence.GONE, KubeletState.GONE),
+            (Presence.RESTARTED, KubeletState.WAITING),
+        ],
+    )
+    def test_after_registration(self, seen: Presence, state: KubeletState) -> None:
+        follower = Follower()
+        driver = self.driver(follower)
+        driver.kubelet = KubeletState.WAITING
+        driver._registration_status(True, "")  # what kubelet's NotifyRegistrationStatus calls
+        assert (driver.kubelet, follower.registrations) == (KubeletState.REGISTERED, 1)
+        follower.seen = seen
+        driver.kubelet_changed()
+        assert driver.kubelet is state
+        driver._registration_status(True, "")  # the next kubelet registers the driver
+        assert driver.kubelet is KubeletState.REGISTERED
