@@ -37,7 +37,7 @@ APT_PACKAGES := python3 python3-venv python3-dev python3-grpcio python3-protobuf
 
 help: ## this list
 	@awk 'BEGIN { FS = ":.*## " } /^[a-z][a-z0-9-]*:.*## / { printf "  make %-14s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
-	@echo "  variables: PYTEST_ARGS='...' (both suites), QUICK=1 (bench), ARGS='...' (run)"
+	@echo "  variables: PYTEST_ARGS='...' (both suites), QUICK=1 (bench), ARGS='...' and REAL=1 (run)"
 
 $(STAMPS):
 	@mkdir -p $@
@@ -62,9 +62,32 @@ $(VENV)/.installed: pyproject.toml $(APT_STAMP)
 	@touch $@
 dev: $(VENV)/.installed ## create .venv: current PyPI releases, pytest, ruff, mypy (idempotent)
 
-run: dev ## the daemon in the foreground, console logs, default paths (ARGS='--log-level debug')
+# `make run` serves a scratch kubelet directory under build/run (its config is build/run/config.toml,
+# written once: edit it freely), so that nothing is created on the host (no /var/lib/kubelet, no
+# metrics in node_exporter's directory, no CDI spec in /var/run/cdi); /dev/kvm is only looked at.
+# `make run REAL=1` runs on the real paths (the packaged defaults, or ARGS='--config ...').
+RUN_DIR := $(CURDIR)/build/run
+run: dev ## the daemon in the foreground on a scratch directory (build/run), with the next steps; REAL=1: the real paths
+ifeq ($(REAL),)
+	@mkdir -p $(RUN_DIR)/device-plugins
+	@test -e $(RUN_DIR)/config.toml || printf '%s\n' \
+	  '# make run: a scratch kubelet directory; see ate-devplugd.toml(5) (packaging/man/ate-devplugd.toml.5)' \
+	  'plugin_dir = "$(RUN_DIR)/device-plugins"' \
+	  'cdi_dir = "$(RUN_DIR)/cdi"' \
+	  'metrics_file = "$(RUN_DIR)/ate-devplugd.prom"' \
+	  '' '[[device]]' 'resource = "ate.dev/kvm"' 'path = "/dev/kvm"' >$(RUN_DIR)/config.toml
+	@echo "ate-devplugd: serving on $(RUN_DIR)/device-plugins (config: $(RUN_DIR)/config.toml); Ctrl-C stops."
+	@echo "  It registers as soon as a kubelet.sock appears there. Next, in another terminal:"
+	@echo "    $(VPY) tests/fakes/kubelet.py --dir $(RUN_DIR)/device-plugins   # a stand-in for kubelet"
+	@echo "    $(VENV)/bin/ate-devplugd probe --config $(RUN_DIR)/config.toml   # what kubelet sees"
+	@echo "    $(VENV)/bin/ate-devplugd doctor --config $(RUN_DIR)/config.toml  # the node, check by check"
+	@echo "  (make run REAL=1: kubelet's real directory and the packaged defaults instead)"
+	$(VENV)/bin/ate-devplugd run --config $(RUN_DIR)/config.toml --log-target console $(ARGS)
+else
 	@echo "ate-devplugd: serving on /var/lib/kubelet/device-plugins; it registers as soon as kubelet.sock appears (Ctrl-C stops)"
+	@echo "  Then: $(VENV)/bin/ate-devplugd probe; $(VENV)/bin/ate-devplugd doctor (with the same --config, if ARGS gives one)"
 	$(VENV)/bin/ate-devplugd run --log-target console $(ARGS)
+endif
 
 PROTOC_CMD = protoc -Iate_devplugd/_pb=$(dir $(PROTO)) --python_out=$(1) --pyi_out=$(1) \
 	--grpc_python_out=$(1) --plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin ate_devplugd/_pb/api.proto

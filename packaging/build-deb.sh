@@ -81,6 +81,21 @@ if ! (cd "$stage" && dpkg-checkbuilddeps) >/dev/null 2>&1 ||
     satisfy || { apt-get -o DPkg::Lock::Timeout=300 update -q >&2 && satisfy; }
 fi
 
+# pyproject.toml gives the licence as an SPDX expression (PEP 639,
+# license = "Apache-2.0"), which setuptools reads from 77 on; older ones
+# (Debian 12's is 66) refuse it and want the table form, which 77 and later
+# warn is deprecated. Built with an older one, the staging copy gets the table
+# form: the same licence.
+setuptools_major=$(/usr/bin/python3 -c 'import setuptools; print(setuptools.__version__.split(".")[0])')
+if [ "$setuptools_major" -lt 77 ]; then
+    sed -i -e 's/^license = "\([^"]*\)"$/license = { text = "\1" }/' \
+        -e 's/"setuptools>=77"/"setuptools>=66"/' "$stage/pyproject.toml"
+    grep -q '^license = { text = ' "$stage/pyproject.toml" || {
+        echo "$0: pyproject.toml: no license = \"...\" line to give setuptools $setuptools_major" >&2
+        exit 1
+    }
+fi
+
 # A clean environment: a virtualenv or pyenv shims on PATH make pybuild pick
 # the wrong interpreter.
 (cd "$stage" && env -i HOME="${HOME:-/root}" LC_ALL=C.UTF-8 \

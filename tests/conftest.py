@@ -1,7 +1,8 @@
 """Test plumbing shared by every suite.
 
 - ``async def`` tests run in a fresh event loop each, under a hard timeout (no plugin needed, so the
-  suite runs the same on Debian's pytest 7 and on current PyPI releases);
+  suite runs the same on Debian's pytest 7 and on current PyPI releases); ``@pytest.mark.budget(s)``
+  gives a long test its own;
 - test order is shuffled; the seed is printed and ``ATE_TEST_SEED=N`` replays an order.
 """
 
@@ -41,9 +42,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     names = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+    budget = pyfuncitem.get_closest_marker("budget")
+    timeout = max(TEST_TIMEOUT, float(budget.args[0])) if budget is not None else TEST_TIMEOUT
 
     async def run() -> None:
-        async with asyncio.timeout(TEST_TIMEOUT):
+        async with asyncio.timeout(timeout):
             await func(**kwargs)
 
     asyncio.run(run())

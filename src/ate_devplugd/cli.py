@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -24,15 +25,23 @@ running privileged. Runs as a systemd service (Type=notify); see ate-devplugd(8)
 ate-devplugd.toml(5).
 """
 
-EPILOG = f"""\
-commands:
-  run            the daemon (the default when no command is given)
-  check-config   validate the config, print the effective config; exit 78 on errors
-  probe          query every plugin socket as kubelet would and print what the node offers
-                 (DRA mode: GetInfo, the plugin socket, and the node's ResourceSlices)
-  doctor         check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL
-  dra-manifests  print the DeviceClasses (and RBAC) an administrator applies once for DRA mode
+#: Each command and its one line, in `--help` and atop the command's own help.
+COMMANDS = {
+    "run": "the daemon, in the foreground (the default when no command is given)",
+    "check-config": "validate the config and print the effective config; exit 78 on errors",
+    "probe": "query every plugin socket as kubelet would: what the node offers (DRA: and its slices)",
+    "doctor": "check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL",
+    "dra-manifests": "print the DeviceClasses (and RBAC) an administrator applies once for DRA mode",
+}
+#: `probe --timeout` when not given, in seconds.
+PROBE_TIMEOUT = 5.0
 
+USAGE = "ate-devplugd [-h] [--version] [COMMAND] [OPTIONS]"
+
+EPILOG = (
+    "commands (`ate-devplugd COMMAND --help` gives each one's options):\n"
+    + "".join(f"  {name:<15}{line}\n" for name, line in COMMANDS.items())
+    + f"""
 examples:
   ate-devplugd check-config --config /etc/ate-devplugd/config.toml
   ate-devplugd run --log-target console --log-level debug
@@ -41,32 +50,45 @@ examples:
   ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
-             1 probe found a socket that does not answer, or doctor found a FAIL.
+             1 probe found a socket that does not answer, or doctor found a FAIL; 2 bad usage.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
 """
+)
 
-COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests")
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, e.g. {PROBE_TIMEOUT:g}, not {text}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ate-devplugd",
+        usage=USAGE,
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"ate-devplugd {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # listed once, in the epilog: argparse's own list of subcommands cannot keep them to one line each
+    sub = parser.add_subparsers(dest="command", prog="ate-devplugd", help=argparse.SUPPRESS)
 
-    def add_config(p: argparse.ArgumentParser) -> None:
+    def command(name: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, description=COMMANDS[name])
         p.add_argument(
             "--config",
             metavar="PATH",
             help=f"config file (default {DEFAULT_CONFIG_PATH}, if it exists)",
         )
+        return p
 
-    run = sub.add_parser("run", help="run the daemon (default)")
-    add_config(run)
+    run = command("run")
     run.add_argument("--plugin-dir", metavar="DIR", help=f"kubelet's device-plugin directory ({DEFAULT_PLUGIN_DIR})")
     run.add_argument("--dev-root", metavar="DIR", help="look device paths up under DIR (default /)")
     run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
@@ -77,28 +99,68 @@ def _parser() -> argparse.ArgumentParser:
         help="auto: journald when started by systemd, else stderr",
     )
 
-    check = sub.add_parser("check-config", help="validate the config and print the effective config")
-    add_config(check)
+    command("check-config")
 
-    probe = sub.add_parser(
-        "probe", help="query every plugin socket as kubelet would (DRA mode: the driver's sockets and slices)"
-    )
-    add_config(probe)
+    probe = command("probe")
     probe.add_argument("--plugin-dir", metavar="DIR", help="directory to probe (default: from the config)")
-    probe.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call timeout")
+    probe.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=PROBE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"per-call timeout in seconds (default {PROBE_TIMEOUT:g})",
+    )
 
-    doctor = sub.add_parser("doctor", help="will a sandbox pod get a working device here? one line per check")
-    add_config(doctor)
+    doctor = command("doctor")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
 
-    manifests = sub.add_parser("dra-manifests", help="print the cluster objects DRA mode needs, as YAML")
-    add_config(manifests)
+    manifests = command("dra-manifests")
     manifests.add_argument(
         "--kubelet-credentials",
         action="store_true",
         help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses only, no RBAC or policy",
     )
     return parser
+
+
+def _command_first(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """``args`` with the command first, wherever it was given (``--config X check-config``), or ``run``
+    before them when none is; an argument where a command belongs that is none is a usage error.
+
+    The command is the first argument that is neither an option nor an option's value, so the options
+    that take a value are looked up in the commands' parsers (an unambiguous abbreviation counts).
+    """
+    if "--version" in args:
+        return args
+    takes_value: set[str] = set()
+    is_flag: set[str] = set()
+    # argparse lists a parser's options only in its private _actions
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                for option in command._actions:
+                    (is_flag if option.nargs == 0 else takes_value).update(option.option_strings)
+    is_flag.update(("-h", "--help"))
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--":
+            index += 1
+            break
+        if not arg.startswith("-") or arg == "-":
+            break
+        if "=" not in arg and arg not in is_flag:
+            values = {o for o in takes_value if o.startswith(arg)} if arg.startswith("--") else {arg} & takes_value
+            flags = {o for o in is_flag if o.startswith(arg)} if arg.startswith("--") else set()
+            if values and not flags:
+                index += 1  # its value
+        index += 1
+    if index >= len(args):
+        return args if any(a in ("-h", "--help") for a in args) else ["run", *args]
+    name = args[index]
+    if name not in COMMANDS:
+        parser.error(f"unknown command {name!r}; the commands are {', '.join(COMMANDS)} (see --help)")
+    return [name, *args[:index], *args[index + 1 :]]
 
 
 def _config_error(exc: ConfigError) -> int:
@@ -109,12 +171,8 @@ def _config_error(exc: ConfigError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     early = _EarlySignals()
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    first = next((a for a in args_in if not a.startswith("-")), None)
-    wants_top = any(a in ("-h", "--help", "--version") for a in args_in) and first is None
-    if first not in COMMANDS and not wants_top:
-        args_in.insert(0, "run")
-    args = _parser().parse_args(args_in)
+    parser = _parser()
+    args = parser.parse_args(_command_first(parser, list(sys.argv[1:] if argv is None else argv)))
     if args.command != "run":
         early.restore()
 
@@ -130,13 +188,25 @@ def main(argv: list[str] | None = None) -> int:
         return _config_error(exc)
 
     if args.command == "check-config":
-        sys.stdout.write(configmod.render(cfg))
-        return os.EX_OK
+        return _check_config(cfg)
     if args.command == "probe":
         return _probe(cfg, args.timeout)
     if args.command == "dra-manifests":
         return _dra_manifests(cfg, with_access=not args.kubelet_credentials)
     return _run(cfg, args, early)
+
+
+def _check_config(cfg: configmod.Config) -> int:
+    """The effective config on stdout; on stderr what else the config means on this host."""
+    review = configmod.review(cfg)
+    for line in review.notes:
+        print(f"ate-devplugd: note: {line}", file=sys.stderr)
+    for line in review.warnings:
+        print(f"ate-devplugd: config warning: {line}", file=sys.stderr)
+    if review.errors:
+        return _config_error(ConfigError(list(review.errors)))
+    sys.stdout.write(configmod.render(cfg))
+    return os.EX_OK
 
 
 def _run_overrides(args: argparse.Namespace) -> dict[str, str | None]:

@@ -1,9 +1,9 @@
 """Configuration: a TOML file, validated field by field into frozen dataclasses.
 
-Nothing here touches the file system beyond reading the one file (a group name in ``container_gid``
-is looked up in the host's group database, and DRA mode's default node name is the host name); every
-error names the key, the ``[[device]]`` table it sits in and the bad value, and all errors are
-reported together.
+Loading touches the file system only to read the one file (a group name in ``container_gid`` is
+looked up in the host's group database, and DRA mode's default node name is the host name); every
+error names the key, the ``[[device]]`` table it sits in and the bad value (as TOML), and all errors
+are reported together. ``review``, for ``check-config`` only, also looks at each device path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import device_config
-from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml_str
+from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml_str, toml_value
 
 if TYPE_CHECKING:
     from ate_devplugd.dra.config import DraConfig
@@ -62,6 +62,8 @@ class Config:
     mode: str = "device-plugin"
     #: The ``[dra]`` table: read in DRA mode, and checked whenever it is given.
     dra: DraConfig | None = None
+    #: No ``[[device]]`` table was read: ``devices`` are the defaults (``check-config`` says so).
+    devices_defaulted: bool = field(default=False, compare=False)
 
     def with_overrides(
         self, *, plugin_dir: str | None = None, dev_root: str | None = None, log_level: str | None = None
@@ -106,13 +108,17 @@ def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) ->
     """Read and validate the config file; ``None`` or a missing default file gives the defaults."""
     if path is None:
         if not os.path.exists(DEFAULT_CONFIG_PATH):
-            return Config()
+            return Config(devices_defaulted=True)
         path = DEFAULT_CONFIG_PATH
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read: {exc}"]) from exc
+    except OSError as exc:
+        raise ConfigError([f"cannot read {os.fspath(path)}: {exc.strerror or exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"cannot read {os.fspath(path)}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"]
+        ) from exc
     return parse(text, source=str(path), gid_of=gid_of)
 
 
@@ -132,7 +138,7 @@ def from_mapping(
     errors: list[str] = []
     known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket", "device", "mode"}
     known.add("dra")
-    errors.extend(f"unknown key {key!r}" for key in data if key not in known)
+    errors.extend(f"unknown key {toml_value(key)}" for key in data if key not in known)
     top: dict[str, Any] = {}
     for key in ("plugin_dir", "dev_root", "cdi_dir"):
         if key in data:
@@ -159,6 +165,7 @@ def from_mapping(
     devices = data.get("device", defaults if mode == "dra" else None)
     if devices is not None:
         top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
+    top["devices_defaulted"] = "device" not in data
     if mode == "dra" and not errors:
         from ate_devplugd.cdi import qualified_name  # noqa: PLC0415
         from ate_devplugd.dra.pools import DraResource, build_pools  # noqa: PLC0415
@@ -170,11 +177,47 @@ def from_mapping(
     return Config(**top)
 
 
+@dataclass(frozen=True)
+class Review:
+    """What ``check-config`` says of a valid config beyond the file itself, one line each."""
+
+    #: A device path that cannot be a device node on this host (a directory): exit 78, as for the file's errors.
+    errors: tuple[str, ...]
+    #: Legal but costly settings (``count`` above COSTLY_COUNT): said, exit 0.
+    warnings: tuple[str, ...]
+    #: What the file leaves to the defaults that a reader may not expect.
+    notes: tuple[str, ...]
+
+
+def review(config: Config) -> Review:
+    """Look at a loaded config as ``check-config`` does: each device path on this host (under
+    ``dev_root``), what each ``count`` costs kubelet, and whether the devices are the defaults.
+
+    Only ``check-config`` calls this: the daemon serves a path that is a directory as an absent device
+    (it may become the node later), and says so in STATUS.
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    notes: list[str] = []
+    for index, dev in enumerate(config.devices):
+        where = f"device[{index}] ({dev.resource})"
+        if os.path.isdir(posixpath.join(config.dev_root, dev.path.lstrip("/"))):
+            errors.append(
+                f"{where}: path: {toml_value(dev.path)} is a directory; path names a device node, e.g. '/dev/kvm'"
+            )
+        if dev.count > device_config.COSTLY_COUNT and config.mode == "device-plugin":  # DRA: dra.devices
+            warnings.append(f"{where}: count: {dev.count} {device_config.count_cost(dev.count)}")
+    if config.devices_defaulted:
+        default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
+        notes.append(f"no [[device]] table: serving the default {default}")
+    return Review(tuple(errors), tuple(warnings), tuple(notes))
+
+
 def _abs_dir(key: str, value: object, errors: list[str]) -> str:
     if not isinstance(value, str):
-        errors.append(f"{key}: must be a string, not {value!r}")
+        errors.append(f"{key}: must be a string, not {toml_value(value)}")
     elif not value.startswith("/") or "\0" in value:
-        errors.append(f"{key}: must be an absolute path, not {value!r}")
+        errors.append(f"{key}: must be an absolute path, not {toml_value(value)}")
     else:
         return posixpath.normpath(value)
     return ""
@@ -184,10 +227,11 @@ def _metrics_file(value: object, errors: list[str]) -> str:
     if value == "":
         return ""
     if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
-        errors.append(f'metrics_file: must be an absolute path or "" (off), not {value!r}')
+        errors.append(f'metrics_file: must be an absolute path or "" (off), not {toml_value(value)}')
     elif not value.endswith(".prom") or posixpath.basename(value) == ".prom":
         errors.append(
-            f"metrics_file: {value!r} must name a *.prom file (the only files node_exporter's textfile collector reads)"
+            f"metrics_file: {toml_value(value)} must name a *.prom file "
+            "(the only files node_exporter's textfile collector reads)"
         )
     else:
         return posixpath.normpath(value)
@@ -198,7 +242,9 @@ def _runtime_socket(value: object, errors: list[str]) -> str:
     if value == "":
         return ""
     if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
-        errors.append(f'runtime_socket: must be an absolute path or "" (the usual runtime sockets), not {value!r}')
+        errors.append(
+            f'runtime_socket: must be an absolute path or "" (the usual runtime sockets), not {toml_value(value)}'
+        )
         return ""
     return posixpath.normpath(value)
 
@@ -206,7 +252,7 @@ def _runtime_socket(value: object, errors: list[str]) -> str:
 def _log_level(key: str, value: object, errors: list[str]) -> str:
     if isinstance(value, str) and value.lower() in LOG_LEVELS:
         return value.lower()
-    errors.append(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
+    errors.append(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {toml_value(value)}")
     return "info"
 
 

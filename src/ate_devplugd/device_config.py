@@ -8,7 +8,9 @@ message) and from what the daemon accepts per request.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import grp
+import math
 import posixpath
 import re
 from collections.abc import Callable
@@ -20,6 +22,10 @@ DEFAULT_COUNT = 4096
 MAX_COUNT = 65536
 #: Half of kubelet's 4 MiB gRPC receive limit: one ListAndWatch message must stay well below it.
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+#: Above this, ``check-config`` warns of what the units cost kubelet (``count_cost``).
+COSTLY_COUNT = 16384
+#: kubelet's device manager (1.32.10, measured) holds about this much heap per unit of a resource.
+KUBELET_BYTES_PER_UNIT = 214
 PROBES = ("kvm",)
 #: The node's mode in the container when a CDI-enabled table gives none: any user may open it.
 DEFAULT_CONTAINER_MODE = 0o666
@@ -33,6 +39,7 @@ _SUBSYSTEM = re.compile(r"[a-z0-9][a-z0-9_-]*\Z")
 _CDI_VENDOR = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?\Z")
 _CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_-]*[A-Za-z0-9])?\Z")
 _CDI_DEVICE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?\Z")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 GroupLookup = Callable[[str], int]
 
@@ -87,6 +94,17 @@ class DeviceConfig:
         return DEFAULT_CONTAINER_MODE if self.container_mode is None else self.container_mode
 
 
+def count_cost(count: int) -> str:
+    """What ``count`` units cost kubelet, for ``check-config``'s warning (the figures are in README)."""
+    heap = count * KUBELET_BYTES_PER_UNIT / 2**20
+    return (
+        f"units cost kubelet about {heap:.1f} MiB of heap ({KUBELET_BYTES_PER_UNIT} B a unit), and time and disk "
+        "that grow with them (at 65536: 97 ms to handle each health update, a 775 KB checkpoint written and "
+        "fsynced on every Allocate; at 4096, the default: 2.4 ms, 44 KB); every unit is the same node, so "
+        "count need only cover the units the node's containers may hold at once"
+    )
+
+
 def is_extended_resource_name(name: str) -> bool:
     """Kubelet's rule for a device plugin's resource name (an extended resource name)."""
     if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):
@@ -129,29 +147,41 @@ def tables(
     """The ``[[device]]`` tables, checked; each error appended names table, key and value. With
     ``cdi_required`` (DRA mode) ``cdi`` is true unless a table says otherwise, which is an error."""
     if not isinstance(value, list) or not value:
-        errors.append(f"device: must be one or more [[device]] tables, not {value!r}")
+        errors.append(f"device: must be one or more [[device]] tables, not {toml_value(value)}")
         return ()
     devices: list[DeviceConfig] = []
-    seen: dict[str, dict[str, str]] = {"resource": {}, "path": {}, "socket": {}}
+    seen: dict[str, dict[str, str]] = {"resource": {}, "path": {}, "socket name": {}}
     for index, table in enumerate(value):
         where = f"device[{index}]"
         if not isinstance(table, dict):
-            errors.append(f"{where}: must be a table, not {table!r}")
+            errors.append(f"{where}: must be a table, not {toml_value(table)}")
             continue
         if isinstance(table.get("resource"), str):
             name = table["resource"]
             # quoted when it holds control characters: an error is one line in the journal, never more
-            where = f"device[{index}] ({name if name.isprintable() else repr(name)})"
+            where = f"device[{index}] ({name if name.isprintable() else toml_str(name)})"
         if cdi_required and table.get("cdi", True) is not True:
             errors.append(f"{where}: cdi: must be true in DRA mode (DRA gives containers devices only through CDI)")
         dev = _device(where, {**table, "cdi": True} if cdi_required else table, errors, gid_of)
         if dev is None:
             continue
-        for kind, key in (("resource", dev.resource), ("path", dev.path), ("socket", dev.socket_name)):
-            if key in seen[kind]:
-                what = "socket name" if kind == "socket" else kind
-                errors.append(f"{where}: {what} {key!r} is already used by {seen[kind][key]}")
-            seen[kind][key] = where
+        # One line per table, however many of its names clash: the same socket name follows from the
+        # same resource, and a table given twice clashes in resource and path at once.
+        names = (("resource", dev.resource), ("path", dev.path), ("socket name", dev.socket_name))
+        clashes: dict[str, list[str]] = {}  # the earlier table -> our names it already uses
+        for kind, key in names:
+            if key in seen[kind] and not (kind == "socket name" and dev.resource in seen["resource"]):
+                clashes.setdefault(seen[kind][key], []).append(f"{kind} {toml_value(key)}")
+        if clashes:
+            errors.append(
+                f"{where}: "
+                + "; ".join(
+                    f"{' and '.join(used)} {'are' if len(used) > 1 else 'is'} already used by {other}"
+                    for other, used in clashes.items()
+                )
+            )
+        for kind, key in names:
+            seen[kind].setdefault(key, where)
         devices.append(dev)
     return tuple(devices)
 
@@ -159,7 +189,7 @@ def tables(
 def _device(where: str, table: dict[str, Any], errors: list[str], gid_of: GroupLookup) -> DeviceConfig | None:
     before = len(errors)
     fields = {f.name for f in dataclasses.fields(DeviceConfig)} - {"container_group"}
-    errors.extend(f"{where}: unknown key {key!r}" for key in table if key not in fields)
+    errors.extend(f"{where}: unknown key {toml_value(key)}" for key in table if key not in fields)
     for key in ("resource", "path"):
         if key not in table:
             errors.append(f"{where}: {key}: required")
@@ -167,27 +197,29 @@ def _device(where: str, table: dict[str, Any], errors: list[str], gid_of: GroupL
     resource = table.get("resource", "")
     if "resource" in table and not (isinstance(resource, str) and is_extended_resource_name(resource)):
         errors.append(
-            f"{where}: resource: {resource!r} is not an extended resource name "
+            f"{where}: resource: {toml_value(resource)} is not an extended resource name "
             "(domain/name, e.g. 'ate.dev/kvm'; not kubernetes.io)"
         )
     path = table.get("path", "")
     if "path" in table and not _is_dev_path(path):
-        errors.append(f"{where}: path: {path!r} must be a normalised absolute path under /dev, e.g. '/dev/kvm'")
+        errors.append(
+            f"{where}: path: {toml_value(path)} must be a normalised absolute path under /dev, e.g. '/dev/kvm'"
+        )
     count = table.get("count", DEFAULT_COUNT)
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
-        errors.append(f"{where}: count: {count!r} must be an integer from 1 to {MAX_COUNT}")
+        errors.append(f"{where}: count: {toml_value(count)} must be an integer from 1 to {MAX_COUNT}")
     perms = table.get("permissions", "rw")
     if not (isinstance(perms, str) and perms and set(perms) <= set("rwm") and len(set(perms)) == len(perms)):
-        errors.append(f"{where}: permissions: {perms!r} must be a non-empty combination of 'r', 'w', 'm'")
+        errors.append(f"{where}: permissions: {toml_value(perms)} must be a non-empty combination of 'r', 'w', 'm'")
     preopen = table.get("preopen", False)
     if not isinstance(preopen, bool):
-        errors.append(f"{where}: preopen: must be true or false, not {preopen!r}")
+        errors.append(f"{where}: preopen: must be true or false, not {toml_value(preopen)}")
     probe = table.get("probe")
     if probe is not None and probe not in PROBES:
-        errors.append(f"{where}: probe: {probe!r} must be one of {', '.join(PROBES)}")
+        errors.append(f"{where}: probe: {toml_value(probe)} must be one of {', '.join(PROBES)}")
     subsystem = table.get("subsystem", "misc")
     if not (isinstance(subsystem, str) and _SUBSYSTEM.match(subsystem)):
-        errors.append(f"{where}: subsystem: {subsystem!r} must be a udev subsystem name such as 'misc'")
+        errors.append(f"{where}: subsystem: {toml_value(subsystem)} must be a udev subsystem name such as 'misc'")
     cdi = _cdi_keys(where, table, errors, gid_of)
     if len(errors) > before:
         return None
@@ -202,7 +234,7 @@ def _device(where: str, table: dict[str, Any], errors: list[str], gid_of: GroupL
         **cdi,
     )
     if dev.longest_id_len > 63:
-        errors.append(f"{where}: path: {path!r} makes device IDs longer than kubelet's 63 characters")
+        errors.append(f"{where}: path: {toml_value(path)} makes device IDs longer than kubelet's 63 characters")
         return None
     message_bytes = listandwatch_bytes(dev)
     if message_bytes > MAX_MESSAGE_BYTES:
@@ -219,7 +251,7 @@ def _cdi_keys(where: str, table: dict[str, Any], errors: list[str], gid_of: Grou
     resource, path = table.get("resource"), table.get("path")
     cdi = table.get("cdi", False)
     if not isinstance(cdi, bool):
-        errors.append(f"{where}: cdi: must be true or false, not {cdi!r}")
+        errors.append(f"{where}: cdi: must be true or false, not {toml_value(cdi)}")
         return {}
     out: dict[str, Any] = {"cdi": cdi}
     given = [key for key in ("container_mode", "container_uid", "container_gid") if key in table]
@@ -227,31 +259,36 @@ def _cdi_keys(where: str, table: dict[str, Any], errors: list[str], gid_of: Grou
         errors.append(f"{where}: {given[0]}: takes effect only with cdi = true")
     mode = table.get("container_mode")
     if mode is not None and not (isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 0o777):
-        errors.append(f"{where}: container_mode: {mode!r} must be a file mode from 0o000 to 0o777, e.g. 0o666")
+        errors.append(
+            f"{where}: container_mode: {toml_value(mode, octal=True)} "
+            "must be a file mode from 0o000 to 0o777, e.g. 0o666"
+        )
     out["container_mode"] = mode
     uid = table.get("container_uid")
     if uid is not None and not (isinstance(uid, int) and not isinstance(uid, bool) and 0 <= uid < 2**32 - 1):
-        errors.append(f"{where}: container_uid: {uid!r} must be a uid (an integer from 0)")
+        errors.append(f"{where}: container_uid: {toml_value(uid)} must be a uid (an integer from 0)")
     out["container_uid"] = uid
     gid = table.get("container_gid")
     if isinstance(gid, str):
         try:
             out["container_gid"], out["container_group"] = gid_of(gid), gid
         except KeyError:
-            errors.append(f"{where}: container_gid: group {gid!r} does not exist on this host")
+            errors.append(f"{where}: container_gid: group {toml_value(gid)} does not exist on this host")
     elif gid is not None and not (isinstance(gid, int) and not isinstance(gid, bool) and 0 <= gid < 2**32 - 1):
-        errors.append(f"{where}: container_gid: {gid!r} must be a gid (an integer from 0) or a group name")
+        errors.append(f"{where}: container_gid: {toml_value(gid)} must be a gid (an integer from 0) or a group name")
     else:
         out["container_gid"] = gid
     if cdi and isinstance(resource, str) and isinstance(path, str):
         vendor, _, kind_class = resource.partition("/")
         if not (_CDI_VENDOR.match(vendor) and _CDI_CLASS.match(kind_class)):
             errors.append(
-                f"{where}: resource: {resource!r} is not a CDI kind, which cdi = true needs "
+                f"{where}: resource: {toml_value(resource)} is not a CDI kind, which cdi = true needs "
                 "(vendor/class; the class holds only letters, digits, '_' and '-', and starts with a letter)"
             )
         if not _CDI_DEVICE.match(posixpath.basename(path)):
-            errors.append(f"{where}: path: {path!r} does not end in a CDI device name (letters, digits, '_.:-')")
+            errors.append(
+                f"{where}: path: {toml_value(path)} does not end in a CDI device name (letters, digits, '_.:-')"
+            )
     return out
 
 
@@ -287,6 +324,46 @@ def render(dev: DeviceConfig) -> list[str]:
         elif dev.container_gid is not None:
             lines.append(f"container_gid = {dev.container_gid}")
     return lines
+
+
+def toml_value(value: object, *, octal: bool = False) -> str:  # noqa: PLR0911 - one return per TOML type
+    """``value`` as it is written in TOML, for error messages: ``true``, ``0o1777`` (with ``octal``),
+    ``'ate.dev/kvm'``, ``[{driver = 'x'}]``; None (a key not given) is ``unset``.
+
+    A string is a literal string (single quotes, as the messages have always shown them) unless it holds
+    a quote or a character that is not printable: then a basic string with escapes, so that an error is
+    always one printable line.
+    """
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"0o{value:o}" if octal and value >= 0 else str(value)
+    if isinstance(value, float):
+        return _toml_float(value)
+    if isinstance(value, str):
+        return f"'{value}'" if value.isprintable() and "'" not in value else toml_str(value)
+    if isinstance(value, dict):
+        items = ", ".join(f"{_toml_key(str(k))} = {toml_value(v, octal=octal)}" for k, v in value.items())
+        return "{" + items + "}" if items else "{}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v, octal=octal) for v in value) + "]"
+    if isinstance(value, datetime.date | datetime.time):  # datetime is a date
+        return value.isoformat()
+    return toml_str(str(value))
+
+
+def _toml_float(value: float) -> str:
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(value)
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else toml_str(key)
 
 
 def toml_str(value: str) -> str:

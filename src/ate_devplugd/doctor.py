@@ -33,9 +33,10 @@ from ate_devplugd import config as configmod
 from ate_devplugd import devices, runtime_cdi
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from ate_devplugd.kernel import KernelView
-from ate_devplugd.kubelet_watch import KUBELET_SOCKET, socket_answers
+from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.lock import InstanceLock
 from ate_devplugd.runtime_cdi import CdiVerdict, RuntimeReport
+from ate_devplugd.unixsock import socket_answers
 
 #: Where ``kubelet --version`` is looked for when it is not on PATH.
 KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet")
@@ -93,7 +94,10 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
         cfg = configmod.load(config_path)
     except ConfigError as exc:
         where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
-        return [fail("config", f"{where}: {line}", "fix the file (ate-devplugd check-config)") for line in exc.errors]
+        return [
+            fail("config", line if where in line else f"{where}: {line}", "fix the file (ate-devplugd check-config)")
+            for line in exc.errors
+        ]
     source = str(config_path) if config_path else _default_source()
     findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
     report = await runtime_cdi.ask(cfg.runtime_socket, cfg.cdi_dir, TIMEOUT)
@@ -130,7 +134,12 @@ def device_findings(cfg: Config, dev: DeviceConfig, kernel: KernelView, report: 
     check = f"device {dev.resource}"
     look = devices.presence(dev, cfg.dev_root, kernel)
     if not look.present:
-        remedy = _load_kvm_remedy() if is_kvm(dev) else f"load the module that provides {dev.path}"
+        if os.path.isdir(devices.node_path(dev, cfg.dev_root)):
+            remedy = "set path to the device node: a directory is none (ate-devplugd check-config says so)"
+        elif is_kvm(dev):
+            remedy = _load_kvm_remedy()
+        else:
+            remedy = f"load the module that provides {dev.path}"
         return [fail(check, look.reason, remedy)]
     out = [ok(check, f"{dev.path}: {look.reason}")]
     node = devices.node_path(dev, cfg.dev_root)

@@ -15,7 +15,6 @@ import posixpath
 import socket
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
@@ -23,6 +22,7 @@ from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.device_config import max_request_bytes
 from ate_devplugd.devices import Resource
 from ate_devplugd.servicer import AllocateCounter, DevicePluginServicer
+from ate_devplugd.unixsock import FileIdentity
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +56,6 @@ class SocketGoneError(Exception):
 
 def unix_target(path: str) -> str:
     return "unix://" + os.path.abspath(path)
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """Tells one file from a later file at the same path (inode numbers are reused)."""
-
-    dev: int
-    ino: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, path: str) -> FileIdentity | None:
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return None
-        return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def check_socket_free(path: str) -> None:

@@ -1,20 +1,25 @@
-"""kubelet as the plugin directory shows it: is it there, has it restarted, and why did our socket go.
+"""kubelet as the plugin directory shows it: which kubelet is there, and why our socket went.
 
-One inotify watch on the directory (``DirWatcher``) keeps the *kubelet generation*: a number that goes
-up each time a ``kubelet.sock`` is created (and when events were lost or the directory came back, since
-a new kubelet may then have come unseen). A session remembers the generation it registered under; a
-different one later means a kubelet it has not registered with.
+One inotify watch on the directory (``DirWatcher``) wakes each session on every event about
+``kubelet.sock``, about the directory itself or about the session's own socket. Events are hints only:
+a woken session reads the state itself, so lost, late or reordered events cannot leave a wrong state.
 
-The stat-then-drain rule: ``look()`` stats ``kubelet.sock`` first and only then handles the inotify
-events already queued. A kubelet.sock seen by the stat has had its create event counted, so that event
-cannot later look like a newer kubelet (which would mean a second Register to the same kubelet).
+Which kubelet: a kubelet is known by its ``kubelet.sock`` file (a ``FileIdentity``). A session keeps the
+kubelet.sock its Register reached, read *after* the call returned. A Register succeeds only on a kubelet
+that listens, and a new kubelet removes every plugin socket before it binds its own kubelet.sock; so the
+file there after a successful Register is the kubelet that took it, or a newer one whose wipe has already
+removed our socket (and the session starts afresh for that reason). What happened between the session's
+look before the call and its connect (a new kubelet removing the stale socket and binding its own) no
+longer matters, nor does the order in which the events arrive. A different kubelet.sock later is a kubelet
+the session has not registered with.
 
-Why our socket went: kubelet starts by removing every socket in the directory in name order, and only
-then creates its new ``kubelet.sock``; a killed kubelet leaves its old one behind. So at the moment our
-socket goes (``ate.dev-…`` sorts before ``kubelet.sock``), the directory still shows the old
-``kubelet.sock`` and no create event has come. The socket went with a kubelet restart when a new
-kubelet.sock has come since, or when the kubelet.sock there no longer answers (its kubelet is gone);
-only while the kubelet we know still answers was it someone else.
+Why our socket went: kubelet's start-up wipe (``CleanupPluginDirectory``) lists the directory with
+``Readdirnames``, which does not sort, and removes every socket in the filesystem's directory order (tmpfs:
+newest first; ext4: hash order); only then does it bind its new kubelet.sock. A killed kubelet leaves its
+old one behind. So when our socket goes, the old kubelet.sock may still be there or already gone, with
+other plugins' sockets removed before or after ours. The socket went with a kubelet restart when the
+kubelet.sock there is not the known one (gone, or another) or no longer answers; only while the known
+kubelet still answers was it someone else.
 """
 
 from __future__ import annotations
@@ -23,31 +28,15 @@ import enum
 import logging
 import os
 import posixpath
-import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.logs import EventLog
+from ate_devplugd.unixsock import FileIdentity, socket_answers
 
 log = logging.getLogger("ate_devplugd")
 
 KUBELET_SOCKET = "kubelet.sock"
-
-
-def socket_answers(path: str) -> bool:
-    """Whether a process listens on the unix socket ``path`` (a non-blocking connect: it answers or
-    refuses at once)."""
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-    try:
-        peer.connect(path)
-    except BlockingIOError:
-        return True  # its backlog is full: it listens
-    except OSError:
-        return False
-    finally:
-        peer.close()
-    return True
 
 
 class SocketLoss(enum.Enum):
@@ -55,14 +44,6 @@ class SocketLoss(enum.Enum):
 
     KUBELET_RESTART = "kubelet-restart"
     FOREIGN = "socket-removed"
-
-
-@dataclass(frozen=True)
-class KubeletState:
-    """What ``look()`` saw: whether a kubelet.sock exists, and the kubelet generation then."""
-
-    present: bool
-    generation: int
 
 
 class KubeletWatch:
@@ -73,14 +54,9 @@ class KubeletWatch:
         #: Called for each kubelet.sock created (a kubelet starting).
         self._on_kubelet = on_kubelet
         self.kubelet_socket = posixpath.join(plugin_dir, KUBELET_SOCKET)
-        self._generation = 0
         self._subscribers: dict[str, list[Callable[[], None]]] = {}
         self._dir = DirWatcher(plugin_dir, self._on_events)
         self._events = EventLog(log)
-
-    @property
-    def generation(self) -> int:
-        return self._generation
 
     def start(self) -> None:
         """Install the watch; read any state only after this."""
@@ -105,18 +81,20 @@ class KubeletWatch:
     def dir_exists(self) -> bool:
         return os.path.isdir(self.plugin_dir)
 
-    def look(self) -> KubeletState:
-        """Whether kubelet.sock exists, and the generation counting its creation (stat, then drain)."""
-        present = os.path.exists(self.kubelet_socket)
-        self._dir.read_pending()
-        return KubeletState(present, self._generation)
+    def kubelet(self) -> FileIdentity | None:
+        """The kubelet.sock there now (None when there is none): which kubelet a Register would reach."""
+        return FileIdentity.of(self.kubelet_socket)
 
-    def socket_loss(self, known_generation: int) -> SocketLoss:
-        """Why a socket served under generation ``known_generation`` is gone."""
-        # Ask first, then count: a new kubelet.sock that answers had its create event queued before
-        # the connect, so the drain after it sees the new generation.
-        answers = socket_answers(self.kubelet_socket)
-        if self.look().generation != known_generation or not answers:
+    def answers(self) -> bool:
+        """Whether a kubelet listens on kubelet.sock now."""
+        return socket_answers(self.kubelet_socket)
+
+    def socket_loss(self, known: FileIdentity | None) -> SocketLoss:
+        """Why a socket served while ``known`` was the kubelet is gone."""
+        # Ask first, then look: looked at first, a stale known kubelet.sock replaced by a new kubelet's
+        # live one between the two would pass for the known kubelet still answering.
+        answers = self.answers()
+        if self.kubelet() != known or not answers:
             return SocketLoss.KUBELET_RESTART
         return SocketLoss.FOREIGN
 
@@ -124,14 +102,11 @@ class KubeletWatch:
         everyone = False
         names: set[str] = set()
         for ev in events:
-            if ev.kind in ("overflow", "dir-back") or (ev.kind == "created" and ev.name == KUBELET_SOCKET):
-                # a kubelet.sock we have not registered with (or may not have: events were lost)
-                self._generation += 1
+            if ev.kind in ("overflow", "dir-gone", "dir-back") or ev.name == KUBELET_SOCKET:
+                # kubelet came or went, or events were lost: every session looks again
                 everyone = True
-                if ev.kind == "created" and self._on_kubelet is not None:
+                if ev.kind == "created" and ev.name == KUBELET_SOCKET and self._on_kubelet is not None:
                     self._on_kubelet()
-            elif ev.kind == "dir-gone" or ev.name == KUBELET_SOCKET:
-                everyone = True
             elif ev.kind in ("removed", "created"):
                 # "created" too: a file renamed over a socket replaces it without a "removed" event
                 names.add(ev.name)

@@ -79,6 +79,7 @@ class _Resource:
     streams: int = 0
     registrations: int = 0
     register_failures: int = 0
+    reregistrations: int = 0
     allocations: int = 0
     allocate_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALLOCATE_ERROR_CODES, 0))
     health_transitions: int = 0
@@ -96,6 +97,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
 _COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
     ("registrations", "Register calls kubelet accepted.", lambda r: r.registrations),
     ("register_failures", "Register calls that failed (each is retried).", lambda r: r.register_failures),
+    (
+        "reregistrations",
+        "Registrations made again because kubelet, still running, had dropped the resource (its stream ended).",
+        lambda r: r.reregistrations,
+    ),
     ("allocations", "Allocate calls answered with a device.", lambda r: r.allocations),
     ("health_transitions", "Changes of the device between Healthy and Unhealthy.", lambda r: r.health_transitions),
 )
@@ -174,6 +180,9 @@ class Metrics:
 
     def register_failure(self, resource: str) -> None:
         self._count(resource, "register_failures")
+
+    def reregistration(self, resource: str) -> None:
+        self._count(resource, "reregistrations")
 
     def allocation(self, resource: str) -> None:
         self._count(resource, "allocations")

@@ -17,6 +17,7 @@ from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.devices import HEALTHY
 from ate_devplugd.endpoint import unix_target
 from ate_devplugd.kubelet_watch import KUBELET_SOCKET
+from ate_devplugd.servicer import TOOL_METADATA
 
 
 @dataclass
@@ -52,7 +53,7 @@ async def probe_socket(plugin_dir: str, name: str, resource: str | None, timeout
         stub = api_pb2_grpc.DevicePluginStub(channel)
         try:
             await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=timeout)
-            call = stub.ListAndWatch(api_pb2.Empty())
+            call = stub.ListAndWatch(api_pb2.Empty(), metadata=(TOOL_METADATA,))
             try:
                 first = await asyncio.wait_for(call.read(), timeout)
             finally:

@@ -19,6 +19,10 @@ from ate_devplugd.devices import HEALTHY, UNHEALTHY, Resource
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
+#: Sent by our own tools (``probe``, ``doctor``) on their ListAndWatch calls: such a stream is not
+#: kubelet's, so it neither counts as kubelet watching nor, when it ends, as kubelet letting go.
+TOOL_METADATA = ("x-ate-devplugd-tool", "probe")
+
 
 @functools.lru_cache(maxsize=32)
 def device_list(prefix: str, count: int, health: str) -> api_pb2.ListAndWatchResponse:
@@ -70,7 +74,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
 
     @property
     def streams(self) -> int:
-        """ListAndWatch streams open now."""
+        """kubelet's ListAndWatch streams open now (our own tools' streams are not counted)."""
         return self._streams
 
     def close(self) -> None:
@@ -86,7 +90,9 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
         # Returning would make kubelet drop the resource, so this only ends when the server closes
         # or kubelet cancels (which arrives here as CancelledError and is left to propagate).
-        self._set_streams(self._streams + 1)
+        counted = TOOL_METADATA not in tuple(context.invocation_metadata() or ())
+        if counted:
+            self._set_streams(self._streams + 1)
         closing = asyncio.ensure_future(self._closing.wait())
         try:
             sent = None
@@ -103,9 +109,10 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                     waiter.cancel()
         finally:
             closing.cancel()
-            self._streams -= 1
-            if not self._closing.is_set():
-                self._set_streams(self._streams)
+            if counted:
+                self._streams -= 1
+                if not self._closing.is_set():
+                    self._set_streams(self._streams)
 
     def _set_streams(self, streams: int) -> None:
         self._streams = streams

@@ -4,7 +4,14 @@ A session loops over one *round*: serve a fresh gRPC server on the resource's so
 answers), register with the kubelet that is there (waiting for one if none is), then hold until kubelet
 restarts or our socket goes; then stop the server and start the next round. Events from the
 ``KubeletWatch`` only wake the session; it then re-reads what it depends on (is our socket still ours?
-which kubelet generation is there?), so lost or reordered events cannot leave a wrong state.
+which kubelet.sock is there?), so lost or reordered events cannot leave a wrong state.
+
+One Register per kubelet: kubelet answers a second one by disconnecting the newer client as soon as the
+older stream ends (its ``runClient``), so a round registers again only with a kubelet.sock other than the
+one its Register reached (see ``kubelet_watch``). The one exception heals that very harm: when kubelet,
+still running, has ended our last ListAndWatch stream and opened none for ``STREAM_GRACE``, it no longer
+holds the resource (every unit unhealthy, allocatable 0, no further call to us), and one more Register on
+the same server gives it back.
 """
 
 from __future__ import annotations
@@ -22,6 +29,12 @@ from ate_devplugd import endpoint
 from ate_devplugd.devices import Resource
 from ate_devplugd.kubelet_watch import KubeletWatch, SocketLoss
 from ate_devplugd.metrics import Metrics
+from ate_devplugd.unixsock import FileIdentity
+
+#: How long kubelet may go without a ListAndWatch stream on a registered resource, while it still runs,
+#: before the session takes the resource for dropped and registers once more. A kubelet that stops or
+#: restarts stops answering at once, and one that registered us anew opens its stream within milliseconds.
+STREAM_GRACE = 1.0
 
 
 class SessionState(enum.Enum):
@@ -79,13 +92,19 @@ class Session:
         self._metrics = metrics
         self._server: endpoint.PluginServer | None = None
         self._kick = asyncio.Event()
-        #: The kubelet generation this round was served under, then the one it registered with.
-        self._kubelet_generation = -1
-        #: Failed Register attempts toward one kubelet generation (``_failures_generation``): each new
-        #: kubelet starts again at 0, as the retry delay does, so a storm of short kubelet lives never
-        #: adds up to the warning that a kubelet refusing for seconds deserves.
+        #: The kubelet this round has accounted for (its kubelet.sock, None for none): the one there when
+        #: the round began, then the one its Register reached. Any other is a kubelet not registered with.
+        self._kubelet: FileIdentity | None = None
+        #: Failed Register attempts toward one kubelet (``_failures_kubelet``): each new kubelet starts
+        #: again at 0, as the retry delay does, so a storm of short kubelet lives never adds up to the
+        #: warning that a kubelet refusing for seconds deserves.
         self._failures = 0
-        self._failures_generation = -1
+        self._failures_kubelet: FileIdentity | None = None
+        #: When kubelet's last ListAndWatch stream ended (loop time) while registered; None once that
+        #: has been looked at after the grace, or while kubelet watches.
+        self._stream_lost_at: float | None = None
+        #: The kubelet registered with once more after it dropped the resource: at most once per kubelet.
+        self._reregistered_with: FileIdentity | None = None
 
     @property
     def name(self) -> str:
@@ -142,12 +161,13 @@ class Session:
 
     async def _round(self, backoff: Backoff) -> float:
         """Serve, register and hold once; the delay before the next round (0 for at once)."""
-        self._kubelet_generation = self._watch.generation
+        self._kubelet = self._watch.kubelet()
         try:
             await self._serve()
             await self._register()
             backoff.reset()
-            await self._hold()
+            while await self._hold():
+                await self._register()
         except endpoint.SocketGoneError:
             self._log_socket_loss()
         except endpoint.SocketInUseError as exc:
@@ -183,10 +203,10 @@ class Session:
         assert self._server is not None
         delay = Backoff()
         while True:
-            kubelet = self._watch.look()
+            kubelet = self._watch.kubelet()
             if not self._server.socket_is_ours():
                 raise endpoint.SocketGoneError(self.socket_path)
-            if not kubelet.present:
+            if kubelet is None:
                 self._set_state(SessionState.WAITING_FOR_KUBELET)
                 self.first_attempt.set()
                 await self._wait()
@@ -198,13 +218,23 @@ class Session:
                     self._watch.kubelet_socket, self.resource.config.socket_name, self.name, endpoint.REGISTER_TIMEOUT
                 )
             except grpc.aio.AioRpcError as exc:
-                self._register_failed(exc, kubelet.generation)
-                if self._watch.generation == kubelet.generation:
+                self._register_failed(exc, kubelet)
+                if self._watch.kubelet() == kubelet:
                     await self._wait(delay.next())
-                if self._watch.generation != kubelet.generation:
-                    delay.reset()  # a new kubelet.sock: try it at once
+                if self._watch.kubelet() != kubelet:
+                    delay.reset()  # another kubelet.sock: try it at once
                 continue
-            self._kubelet_generation = kubelet.generation
+            # Read after the call: the kubelet that took it (the one looked at before may have been
+            # replaced by a new kubelet's socket in between; see kubelet_watch). Then our socket: if it
+            # is gone, the kubelet.sock read may be a still newer kubelet's, whose wipe took it; the
+            # loss is then judged against the kubelet looked at before the call.
+            reached = self._watch.kubelet()
+            gone = not self._server.socket_is_ours()
+            if reached != kubelet and not gone:
+                self.resource.events.debug(
+                    "kubelet-replaced", "kubelet.sock was replaced during Register; %s is with the new one", self.name
+                )
+            self._kubelet = kubelet if gone else reached
             self._failures = 0
             self._metrics.registration(self.name)
             self.resource.events.info(
@@ -215,16 +245,18 @@ class Session:
                 self.resource.config.count,
             )
             self._set_state(SessionState.REGISTERED)
+            if gone:
+                raise endpoint.SocketGoneError(self.socket_path)
             return
 
-    def _register_failed(self, exc: grpc.aio.AioRpcError, generation: int) -> None:
+    def _register_failed(self, exc: grpc.aio.AioRpcError, kubelet: FileIdentity) -> None:
         # kubelet.sock refusing connections is part of every kubelet start (a killed kubelet's socket
         # stays until the new one's wipe; the new one is bound a moment before it listens), and a kubelet
         # stopping cancels the call in flight: a warning only once that lasts toward one kubelet (its
         # tenth attempt, after about 2.5 s of back-off), while an error kubelet answers with (or a
         # deadline it lets pass) is one at once.
-        if generation != self._failures_generation:
-            self._failures_generation, self._failures = generation, 0
+        if kubelet != self._failures_kubelet:
+            self._failures_kubelet, self._failures = kubelet, 0
         self._failures += 1
         self._metrics.register_failure(self.name)
         transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -241,24 +273,54 @@ class Session:
         )
         self._set_state(SessionState.REGISTER_FAILED, str(exc.details()))
 
-    async def _hold(self) -> None:
-        """Wait until kubelet restarts or our socket goes; then return so the next round starts."""
+    async def _hold(self) -> bool:
+        """Wait until kubelet restarts or our socket goes (False: the next round starts), or until kubelet,
+        still running, has dropped the resource (True: register once more on this server)."""
         assert self._server is not None
         while True:
-            await self._wait()
-            kubelet = self._watch.look()
+            await self._wait(self._grace_left())
             if not self._server.socket_is_ours():
                 self._log_socket_loss()
-                return
-            if kubelet.generation != self._kubelet_generation:
+                return False
+            kubelet = self._watch.kubelet()
+            if kubelet is not None and kubelet != self._kubelet:
                 self.resource.events.info(
                     "kubelet-restart", "kubelet.sock was re-created; registering %s anew", self.name
                 )
-                return
+                return False
+            if self._dropped(kubelet):
+                return True
+
+    def _grace_left(self) -> float | None:
+        """How long until a lost stream counts as the resource dropped (None: no lost stream to time)."""
+        lost = self._stream_lost_at
+        if lost is None or self.state is not SessionState.STREAM_CLOSED or self._reregistered_with == self._kubelet:
+            return None
+        return max(0.0, lost + STREAM_GRACE - asyncio.get_running_loop().time())
+
+    def _dropped(self, kubelet: FileIdentity | None) -> bool:
+        """Whether the kubelet registered with, still running, has let the resource go (its stream ended
+        a grace ago, none came since); if so, it is said once and counted."""
+        lost = self._stream_lost_at
+        if lost is None or self._grace_left() != 0.0:
+            return False
+        self._stream_lost_at = None  # looked at once: a kubelet that stopped is left to its restart
+        if kubelet is None or not self._watch.answers():
+            return False
+        self._reregistered_with = kubelet
+        self._metrics.reregistration(self.name)
+        self.resource.events.warning(
+            "reregister",
+            "kubelet ended ListAndWatch for %s %.1f s ago and opened none, while it still runs: it no longer "
+            "holds the resource; registering once more",
+            self.name,
+            asyncio.get_running_loop().time() - lost,
+        )
+        return True
 
     def _log_socket_loss(self) -> None:
         """Our socket is gone: kubelet removing it as it starts, or someone else."""
-        if self._watch.socket_loss(self._kubelet_generation) is SocketLoss.KUBELET_RESTART:
+        if self._watch.socket_loss(self._kubelet) is SocketLoss.KUBELET_RESTART:
             self.resource.events.info(
                 "kubelet-restart", "kubelet restarted (it removed %s); serving %s anew", self.socket_path, self.name
             )
@@ -273,9 +335,12 @@ class Session:
         if self.state not in (SessionState.REGISTERED, SessionState.STREAM_CLOSED):
             return
         if streams:
+            self._stream_lost_at = None
             self._set_state(SessionState.REGISTERED)
         else:
             # kubelet ends the stream when it stops; it never reopens it by itself, so until it
-            # restarts (and we register anew) it sees every unit as unhealthy.
+            # restarts (or, still running, is registered with once more) it sees every unit as unhealthy.
             self.resource.events.info("stream-ended", "kubelet closed ListAndWatch for %s", self.name)
+            self._stream_lost_at = asyncio.get_running_loop().time()
             self._set_state(SessionState.STREAM_CLOSED)
+            self._wake()

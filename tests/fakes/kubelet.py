@@ -1,15 +1,21 @@
 """A fake kubelet device manager that behaves as kubelet's own code does toward a device plugin.
 
-- start: removes every socket in its directory in name order (not other files; Go's os.ReadDir
-  sorts), then serves ``kubelet.sock``;
+- start: removes every socket in its directory (not other files) in an order kubelet leaves open:
+  ``CleanupPluginDirectory`` lists with ``Readdirnames``, which does not sort (tmpfs: newest first, ext4:
+  hash order). So the order is ``wipe_order``: "random" (the default, from ``seed``), "name", or a
+  function of the names; the stale ``kubelet.sock`` may go before or after any plugin's socket. Between
+  removals, before the new ``kubelet.sock`` is bound and before it listens, it pauses for 0 to ``jitter``
+  seconds now and then, so a plugin's look at the directory and its connect can fall anywhere in between;
 - Register: checks the version ("v1beta1"), the extended resource name and that the endpoint is a bare
   file name; dials the endpoint back and calls GetDevicePluginOptions *before* replying; only then
   opens ListAndWatch, recording every message;
-- a new registration for a resource replaces the old one; one that arrives while the old stream is
-  still open is recorded as ``double-register`` (kubelet 1.32 can then drop the new one);
+- a second registration for a resource becomes the *current* client (``endpoints``) while the older one
+  keeps running; one that arrives while the older stream is open is recorded as ``double-register``.
+  When any client's stream ends, the current client is disconnected, as kubelet's ``runClient`` does
+  (A7b): recorded as ``disconnected``, its connection closed, every unit unhealthy (``allocatable`` 0)
+  until the plugin registers again;
 - ``restart()`` is a kubelet killed and started again: the old ``kubelet.sock`` stays behind, dead, until
-  the new kubelet's wipe removes it (after ``ate.dev-…`` sockets, by name order); ``graceful=True``
-  removes it at the stop instead;
+  the new kubelet's wipe removes it; ``graceful=True`` removes it at the stop instead;
 - ``lean=True`` (the benchmark) keeps each ListAndWatch message as bytes and only counts the units,
   so recording costs next to nothing.
 
@@ -25,11 +31,13 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import re
 import signal
 import stat
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,16 +127,36 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
         return await self._kubelet.handle_register(request, context)
 
 
+WipeOrder = str | Callable[[list[str]], list[str]]
+
+
 class FakeKubelet:
     """kubelet's device manager on ``directory``; ``wipe=False`` leaves plugin sockets alone (bench floors)."""
 
-    def __init__(self, directory: Path | str, *, log: Any = None, wipe: bool = True, lean: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        *,
+        log: Any = None,
+        wipe: bool = True,
+        lean: bool = False,
+        wipe_order: WipeOrder = "random",
+        seed: int | str | None = None,
+        jitter: float = 0.002,
+    ) -> None:
         self.dir = Path(directory)
         self.wipe_at_start = wipe
+        self.wipe_order = wipe_order
+        self.rng = random.Random(seed)
+        self.jitter = jitter
         self.lean = lean
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.history: list[Event] = []
+        #: The current client per resource (kubelet's map); older clients of a resource that kubelet
+        #: has not closed are in ``_older``.
         self.endpoints: dict[str, Endpoint] = {}
+        self._older: list[Endpoint] = []
+        self._stopping = False
         self.register_delay = 0.0
         self.reject_register: str | None = None
         #: Called when a Register arrives, before anything else (a test's look at that moment).
@@ -150,23 +178,45 @@ class FakeKubelet:
             self._log.write(json.dumps(ev.as_json()) + "\n")
             self._log.flush()
 
-    def wipe(self) -> None:
-        """What kubelet's device manager does at start: remove every socket in the directory, in name order."""
+    def ordered(self, names: list[str]) -> list[str]:
+        """The directory's names in the order this kubelet's wipe takes them."""
+        if callable(self.wipe_order):
+            return self.wipe_order(list(names))
+        if self.wipe_order == "name":
+            return sorted(names)
+        if self.wipe_order == "random":
+            names = sorted(names)
+            self.rng.shuffle(names)
+            return names
+        raise ValueError(f"wipe_order {self.wipe_order!r}")
+
+    async def _pause(self) -> None:
+        """Now and then a moment in which a plugin runs (kubelet's steps are not atomic)."""
+        if self.jitter and self.rng.random() < 0.5:
+            await asyncio.sleep(self.rng.uniform(0.0, self.jitter))
+
+    async def wipe(self) -> None:
+        """What kubelet's device manager does at start: remove every socket in the directory, in
+        ``wipe_order`` (the listing is taken once, first, as ``Readdirnames`` does)."""
         self.dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        for entry in sorted(self.dir.iterdir()):
-            if entry.name == CHECKPOINT:
+        for name in self.ordered(os.listdir(self.dir)):
+            if name == CHECKPOINT:
                 continue
+            entry = self.dir / name
             with contextlib.suppress(FileNotFoundError):
                 if stat.S_ISSOCK(entry.lstat().st_mode):
                     entry.unlink()
+                    await self._pause()
 
     async def start(self) -> None:
         self._incarnation += 1
+        self._stopping = False
         if self.wipe_at_start:
-            self.wipe()
+            await self.wipe()
         else:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
+        await self._pause()
         server = grpc.aio.server()
         api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
         # Bound under another name and linked into place: gRPC unlinks the path it bound when it stops,
@@ -177,21 +227,25 @@ class FakeKubelet:
         staging.unlink()
         # The socket file exists from here on: this is when a plugin's inotify watch fires.
         self._record(Event("socket"))
+        await self._pause()
         await server.start()
         self._server = server
         self._record(Event("listening"))
 
     async def stop(self, *, graceful: bool = True) -> None:
         """Stop serving; ``graceful=False`` leaves the dead ``kubelet.sock`` behind, as a killed kubelet does."""
+        self._stopping = True
         server, self._server = self._server, None
         if server is not None:
             await server.stop(None)
             if graceful:
                 with contextlib.suppress(OSError):  # as Go's listener Close: gone or read-only is fine
                     self.socket_path.unlink()
-        for endpoint in list(self.endpoints.values()):
-            await self._drop(endpoint)
+        clients = [*self.endpoints.values(), *self._older]
         self.endpoints.clear()
+        self._older.clear()
+        for endpoint in clients:
+            await self._drop(endpoint)
 
     async def restart(self, *, graceful: bool = False) -> None:
         await self.stop(graceful=graceful)
@@ -247,11 +301,13 @@ class FakeKubelet:
             await channel.close()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet restarted while handling Register")
         old = self.endpoints.get(name)
-        if old is not None and old.streaming:
-            self._record(Event("double-register", name, request.endpoint))
         endpoint = Endpoint(name, socket_path, channel, stub, options)
         self.endpoints[name] = endpoint
-        if old is not None:
+        if old is not None and old.streaming:
+            # kubelet leaves the older client running; when its stream ends, the new one goes (A7b)
+            self._record(Event("double-register", name, request.endpoint))
+            self._older.append(old)
+        elif old is not None:
             await self._drop(old)
         self._record(Event("register", name, request.endpoint, t=received))
         # kubelet starts ListAndWatch only after Register has returned.
@@ -273,14 +329,46 @@ class FakeKubelet:
                 self._record(self._list_event(endpoint, response))
         except grpc.aio.AioRpcError as exc:
             self._record(Event("stream-ended", endpoint.resource, error=exc.code().name))
-            return
         except asyncio.CancelledError:
             call.cancel()
             raise
         except UnboundLocalError:
             # grpcio 1.51's reader, cancelled just as the stream ends OK (grpc/grpc#31227): a cancel.
             raise asyncio.CancelledError from None
-        self._record(Event("stream-ended", endpoint.resource, error="returned"))
+        else:
+            self._record(Event("stream-ended", endpoint.resource, error="returned"))
+        self._client_ended(endpoint)
+
+    def _client_ended(self, ended: Endpoint) -> None:
+        """kubelet's ``runClient`` once a client's ListAndWatch has ended: it disconnects the resource's
+        *current* client, whichever client's stream it was (A7b)."""
+        if ended in self._older:
+            self._older.remove(ended)
+        current = self.endpoints.pop(ended.resource, None)
+        if current is None or self._stopping:
+            return
+        older = current is not ended
+        self._record(Event("disconnected", ended.resource, error="an older client's stream ended" if older else ""))
+        if older:
+            # Disconnect closes the current client's connection: its stream ends too, and its own
+            # runClient then finds no client to disconnect.
+            asyncio.get_running_loop().create_task(self._drop(current))
+        else:
+            asyncio.get_running_loop().create_task(current.channel.close())
+
+    async def cut(self, client: Endpoint) -> None:
+        """The connection to ``client`` breaks: its ListAndWatch ends (kubelet's Recv fails), and kubelet's
+        ``runClient`` goes on as it does after any stream's end."""
+        await self._drop(client)
+        self._record(Event("stream-ended", client.resource, error="CANCELLED"))
+        self._client_ended(client)
+
+    def allocatable(self, resource: str) -> int:
+        """What kubelet would offer the scheduler: the current client's Healthy units, 0 once disconnected."""
+        endpoint = self.endpoints.get(resource)
+        if endpoint is None or not endpoint.streaming or endpoint.latest is None:
+            return 0
+        return sum(1 for d in endpoint.latest.devices if d.health == "Healthy")
 
     def _list_event(self, endpoint: Endpoint, response: Any) -> Event:
         if self.lean:

@@ -37,6 +37,42 @@ def scale(fast: int, soak: int) -> int:
     return soak if SOAK else fast
 
 
+#: A bound on each wait of a test that may run with the CPU overcommitted: generous, since the daemon and
+#: the fake kubelet then get a tenth of a core between them, late; the figures measured are printed.
+LOADED_WAIT = 60.0
+#: Busy processes per core for ``cpu_overcommit``: a loaded sandbox node (load average 8-10 on 2 cores).
+OVERCOMMIT_PER_CORE = 4
+
+
+@contextlib.contextmanager
+def cpu_overcommit(per_core: int = OVERCOMMIT_PER_CORE) -> Iterator[int]:
+    """``per_core`` busy processes per core, at this process's own priority, while the block runs;
+    yields their number. The daemon and the fake kubelet then get a share of the CPU, late and in slices,
+    as on a loaded node."""
+    import subprocess
+
+    count = per_core * (os.cpu_count() or 1)
+    spinners = [subprocess.Popen(["/bin/sh", "-c", "while :; do :; done"]) for _ in range(count)]
+    try:
+        yield count
+    finally:
+        for proc in spinners:
+            proc.kill()
+        for proc in spinners:
+            proc.wait()
+
+
+@contextlib.contextmanager
+def load(kind: str) -> Iterator[str]:
+    """The machine as a test runs under it: "idle" (as it is) or "overcommit" (``cpu_overcommit``)."""
+    if kind == "idle":
+        yield "idle"
+        return
+    assert kind == "overcommit", kind
+    with cpu_overcommit() as count:
+        yield f"overcommit ({count} busy processes on {os.cpu_count()} cores)"
+
+
 @dataclass(frozen=True)
 class ProcFigures:
     """What a process holds at one moment."""
@@ -106,7 +142,7 @@ def live_registration(kubelet: FakeKubelet, resource: str = RESOURCE) -> bool:
     return endpoint is not None and endpoint.streaming and endpoint.latest is not None
 
 
-async def settled(kubelet: FakeKubelet, *, timeout: float = 15.0, quiet: float = 0.5) -> list[Event]:
+async def settled(kubelet: FakeKubelet, *, timeout: float = LOADED_WAIT, quiet: float = 0.5) -> list[Event]:
     """Wait until kubelet has a live registration, then until no event arrives for ``quiet`` seconds.
 
     Returns the events seen meanwhile. The quiet period is a wait on the event queue with a timeout:

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from ate_devplugd import cli
-from ate_devplugd.config import Config, render
+from ate_devplugd.config import Config, DeviceConfig, render
 from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
 from ate_devplugd.doctor import render as render_text
 from ate_devplugd.dra import manifests
@@ -166,6 +166,28 @@ class TestFailures:
         assert "leaves out" in checks["runtime cdi"].message
         assert "cdi_spec_dirs" in checks["runtime cdi"].remedy
         assert checks["access ate.dev/kvm"].level is Level.OK  # a 0666 host node needs no CDI
+
+    async def test_a_directory_for_a_device_path(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A path that is a directory (``/dev/shm``) FAILs with the remedy to fix the path, not to load a
+        module that would provide it."""
+        config = kvm_config(plugin_dir, fake_root)
+        config = dataclasses.replace(config, devices=(DeviceConfig("ate.dev/shm", "/dev/shm"),))
+        (fake_root / "dev" / "shm").mkdir()
+        path = tmp_path / "config.toml"
+        path.write_text(render(config))
+        findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: None))
+        device = by_check(findings)["device ate.dev/shm"]
+        assert device.level is Level.FAIL
+        assert "module" not in device.remedy and "directory" in device.remedy, device
+
+    async def test_missing_config_names_the_path_once(self, tmp_path: Path, kernel: FakeKernel) -> None:
+        """A --config that does not exist: one FAIL, the path once, the reason in words."""
+        missing = tmp_path / "nope.toml"
+        (finding,) = await examine(missing, Node(kernel=kernel))
+        assert (finding.check, finding.level) == ("config", Level.FAIL)
+        assert finding.message == f"cannot read {missing}: No such file or directory"
 
 
 class TestOutput:

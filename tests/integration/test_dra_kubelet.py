@@ -16,7 +16,8 @@ from ate_devplugd.config import ConfigError
 from ate_devplugd.dra.config import MAX_SOCKET_PATH, DraConfig, from_mapping, staging_path
 from ate_devplugd.dra.driver import DraDriver, KubeletState
 from ate_devplugd.dra.pools import DraResource
-from ate_devplugd.endpoint import FileIdentity, SocketInUseError
+from ate_devplugd.endpoint import SocketInUseError
+from ate_devplugd.unixsock import FileIdentity
 from tests.fakes.dra_kubelet import FakeDraKubelet
 from tests.integration.dra_rig import KVM, NODE, rig, short_dir
 

@@ -99,10 +99,10 @@ class TestRegistration:
 
 class TestKubeletRestart:
     async def test_restarts_the_kubelet_way(self, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
-        """kubelet killed and started again (its old socket left behind, then every socket removed in name
-        order, ours first, then kubelet.sock created): one new registration each time, every one logged as
+        """kubelet killed and started again (its old socket left behind, then every socket removed in a random
+        order, then kubelet.sock created): one new registration each time, every one logged as
         kubelet-restart at info, never as a foreign removal."""
-        kubelet = await started_kubelet(plugin_dir)
+        kubelet = await started_kubelet(plugin_dir, seed=6)
         try:
             async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel) as running:
                 await kubelet.next_event("list")

@@ -26,7 +26,7 @@ from tests.support import (
     started_kubelet,
     subprocess_env,
     vm_storm_then_removal,
-    wait_for_path,
+    wait_for_content,
     write_config,
 )
 
@@ -193,7 +193,9 @@ class TestUdevHotplug:
 
         try:
             assert (await kubelet.next_event("list")).healthy == 4096
-            await wait_for_path(metrics)
+            # the metrics file at rest: kubelet watching and the runtime's verdict in (each a change)
+            await wait_for_content(metrics, 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1\n')
+            await wait_for_content(metrics, 'verdict="unknown"} 1\n')
             before = [os.stat(p) for p in ("/dev/kvm", spec, metrics)]
             for _ in range(5):
                 await asyncio.to_thread(udev_change_kvm)

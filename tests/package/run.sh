@@ -140,6 +140,7 @@ contents() {
                 /usr/share/doc/ate-devplugd/copyright \
                 /usr/share/doc/ate-devplugd/changelog.gz \
                 /usr/share/ate-devplugd/dra-mode.conf \
+                /usr/share/ate-devplugd/ate-devplugd.rules.yml \
                 /usr/lib/python3/dist-packages/ate_devplugd/__init__.py \
                 /usr/lib/python3/dist-packages/ate_devplugd/cli.py \
                 /usr/lib/python3/dist-packages/ate_devplugd/_pb/api_pb2.py \
@@ -147,7 +148,7 @@ contents() {
         grep -qxF "$path" <<<"$listing" || { say "missing from the package: $path"; rc=1; }
     done
     # Everything else must be one of these, or a directory leading to them.
-    local allowed='^/(etc|etc/ate-devplugd|etc/ate-devplugd/config\.toml|lib|lib/systemd|lib/systemd/system|lib/systemd/system/ate-devplugd\.service|usr|usr/bin|usr/bin/ate-devplugd|usr/lib|usr/lib/python3|usr/lib/python3/dist-packages|usr/lib/python3/dist-packages/ate_devplugd(/[A-Za-z0-9_]+)*(/([A-Za-z0-9_]+\.py|py\.typed))?|usr/lib/python3/dist-packages/ate_devplugd-[0-9][^/]*\.dist-info(/[A-Za-z_.]+)?|usr/share|usr/share/doc|usr/share/doc/ate-devplugd|usr/share/doc/ate-devplugd/(copyright|changelog\.gz)|usr/share/man|usr/share/man/man[58]|usr/share/man/man8/ate-devplugd\.8\.gz|usr/share/man/man5/ate-devplugd\.toml\.5\.gz|usr/share/lintian|usr/share/lintian/overrides|usr/share/lintian/overrides/ate-devplugd|usr/share/ate-devplugd|usr/share/ate-devplugd/dra-mode\.conf)$'
+    local allowed='^/(etc|etc/ate-devplugd|etc/ate-devplugd/config\.toml|lib|lib/systemd|lib/systemd/system|lib/systemd/system/ate-devplugd\.service|usr|usr/bin|usr/bin/ate-devplugd|usr/lib|usr/lib/python3|usr/lib/python3/dist-packages|usr/lib/python3/dist-packages/ate_devplugd(/[A-Za-z0-9_]+)*(/([A-Za-z0-9_]+\.py|py\.typed))?|usr/lib/python3/dist-packages/ate_devplugd-[0-9][^/]*\.dist-info(/[A-Za-z_.]+)?|usr/share|usr/share/doc|usr/share/doc/ate-devplugd|usr/share/doc/ate-devplugd/(copyright|changelog\.gz)|usr/share/man|usr/share/man/man[58]|usr/share/man/man8/ate-devplugd\.8\.gz|usr/share/man/man5/ate-devplugd\.toml\.5\.gz|usr/share/lintian|usr/share/lintian/overrides|usr/share/lintian/overrides/ate-devplugd|usr/share/ate-devplugd|usr/share/ate-devplugd/(dra-mode\.conf|ate-devplugd\.rules\.yml))$'
     while IFS= read -r path; do
         [[ $path =~ $allowed ]] || { say "unexpected in the package: $path"; rc=1; }
         case "$path" in

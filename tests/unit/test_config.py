@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -92,7 +94,7 @@ BAD = [
     ("count 0", KVM + "count = 0\n", ["count: 0 must be an integer from 1 to 65536"]),
     ("count too big", KVM + "count = 65537\n", ["count: 65537"]),
     ("count a string", KVM + 'count = "4"\n', ["count: '4'"]),
-    ("count a bool", KVM + "count = true\n", ["count: True"]),
+    ("count a bool", KVM + "count = true\n", ["count: true must be an integer"]),
     ("empty permissions", KVM + 'permissions = ""\n', ["permissions: ''"]),
     ("bad permissions", KVM + 'permissions = "rwx"\n', ["permissions: 'rwx'"]),
     ("repeated permission", KVM + 'permissions = "rr"\n', ["permissions: 'rr'"]),
@@ -125,7 +127,7 @@ BAD = [
     (
         "container_mode too big",
         KVM + "cdi = true\ncontainer_mode = 0o1777\n",
-        ["container_mode: 1023 must be a file mode"],
+        ["container_mode: 0o1777 must be a file mode"],
     ),
     ("container_mode a string", KVM + 'cdi = true\ncontainer_mode = "0666"\n', ["container_mode: '0666'"]),
     ("container_uid negative", KVM + "cdi = true\ncontainer_uid = -1\n", ["container_uid: -1 must be a uid"]),
@@ -184,3 +186,36 @@ class TestMessageBound:
         long_path = "/dev/" + "v" * 50
         with pytest.raises(ConfigError, match="ListAndWatch message"):
             config.parse(f'[[device]]\nresource = "a.io/v"\npath = "{long_path}"\ncount = 65536\n')
+
+
+class TestTomlValue:
+    @pytest.mark.parametrize(
+        ("toml", "written"),
+        [
+            ("true", "true"),
+            ("false", "false"),
+            ("-1", "-1"),
+            ('"ate.dev/kvm"', "'ate.dev/kvm'"),
+            ('"it\'s"', '"it\'s"'),
+            ('"a\\nb"', '"a\\U0000000ab"'),
+            ("1.5", "1.5"),
+            ("inf", "inf"),
+            ("nan", "nan"),
+            ("[]", "[]"),
+            ('[{driver = "x"}]', "[{driver = 'x'}]"),
+            ('{"a b" = 1, c = [true]}', '{"a b" = 1, c = [true]}'),
+            ("1979-05-27T07:32:00Z", "1979-05-27T07:32:00+00:00"),
+            ("1979-05-27", "1979-05-27"),
+        ],
+    )
+    def test_value_reads_back_as_toml(self, toml: str, written: str) -> None:
+        """An error shows a value as TOML that reads back to the same value (not Python's repr)."""
+        value = tomllib.loads(f"v = {toml}")["v"]
+        assert device_config.toml_value(value) == written
+        again = tomllib.loads(f"v = {written}")["v"]
+        assert again == value or (math.isnan(value) and math.isnan(again))
+
+    def test_mode_in_octal_and_unset(self) -> None:
+        """A file mode is shown in octal, as written; a key not given is "unset", never None."""
+        assert device_config.toml_value(0o1777, octal=True) == "0o1777"
+        assert device_config.toml_value(None) == "unset"

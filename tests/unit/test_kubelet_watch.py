@@ -1,8 +1,9 @@
-"""KubeletWatch on a real directory with real inotify: the kubelet generation, its subscribers, and why a
-socket went."""
+"""KubeletWatch on a real directory with real inotify: which kubelet.sock is there, the subscribers, and
+why a socket went."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
@@ -23,20 +24,39 @@ def live_socket(path: Path) -> socket.socket:
     return sock
 
 
-class TestGeneration:
-    async def test_a_created_kubelet_sock_is_counted_once(self, plugin_dir: Path) -> None:
-        """Each kubelet.sock created is one generation, counted by the drain in look() (stat, then drain)."""
+class Heard:
+    """A subscriber's calls, counted; ``wait(n)`` waits for the n-th (inotify is read on the loop)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._called = asyncio.Event()
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self._called.set()
+
+    async def wait(self, count: int) -> None:
+        async with asyncio.timeout(5):
+            while self.calls < count:
+                self._called.clear()
+                await self._called.wait()
+
+
+class TestKubelet:
+    async def test_identity_follows_the_file(self, plugin_dir: Path) -> None:
+        """kubelet() is the kubelet.sock file there now: None, one file, then another at the same path."""
         watch = KubeletWatch(str(plugin_dir))
         watch.start()
         try:
-            assert watch.look().generation == 0 and not watch.look().present
+            assert watch.kubelet() is None
             dead_socket(plugin_dir / "kubelet.sock")
-            state = watch.look()
-            assert state.present and state.generation == 1
-            assert watch.look().generation == 1, "a second look sees no newer kubelet"
-            (plugin_dir / "kubelet_internal_checkpoint").write_text("{}")
+            first = watch.kubelet()
+            assert first is not None and watch.kubelet() == first
             (plugin_dir / "kubelet.sock").unlink()
-            assert watch.look() == type(state)(present=False, generation=1)
+            assert watch.kubelet() is None
+            dead_socket(plugin_dir / "kubelet.sock")
+            second = watch.kubelet()
+            assert second is not None and second != first
         finally:
             watch.close()
 
@@ -44,23 +64,22 @@ class TestGeneration:
         """A subscriber is called for its own socket name and for kubelet.sock, not for others' files."""
         watch = KubeletWatch(str(plugin_dir))
         watch.start()
-        heard: list[str] = []
-        undo = watch.subscribe("a.sock", lambda: heard.append("a"))
-        watch.subscribe("b.sock", lambda: heard.append("b"))
+        heard_a, heard_b = Heard(), Heard()
+        undo = watch.subscribe("a.sock", heard_a)
+        watch.subscribe("b.sock", heard_b)
         try:
             (plugin_dir / "a.sock").write_text("")
-            watch.look()
-            assert heard == ["a"]
+            await heard_a.wait(1)
             (plugin_dir / "kubelet_internal_checkpoint").write_text("{}")
-            watch.look()
-            assert heard == ["a"]
             dead_socket(plugin_dir / "kubelet.sock")
-            watch.look()
-            assert sorted(heard) == ["a", "a", "b"]
+            await heard_b.wait(1)
+            await heard_a.wait(2)
+            assert (heard_a.calls, heard_b.calls) == (2, 1), "the checkpoint file woke no one"
             undo()
             (plugin_dir / "a.sock").unlink()
-            watch.look()
-            assert sorted(heard) == ["a", "a", "b"]
+            (plugin_dir / "kubelet.sock").unlink()
+            await heard_b.wait(2)
+            assert heard_a.calls == 2
         finally:
             watch.close()
 
@@ -71,9 +90,9 @@ class TestSocketLoss:
         watch = KubeletWatch(str(plugin_dir))
         watch.start()
         try:
-            assert watch.socket_loss(watch.look().generation) is SocketLoss.KUBELET_RESTART
+            assert watch.socket_loss(watch.kubelet()) is SocketLoss.KUBELET_RESTART
             dead_socket(plugin_dir / "kubelet.sock")
-            assert watch.socket_loss(watch.look().generation) is SocketLoss.KUBELET_RESTART
+            assert watch.socket_loss(watch.kubelet()) is SocketLoss.KUBELET_RESTART
         finally:
             watch.close()
 
@@ -83,16 +102,18 @@ class TestSocketLoss:
         watch = KubeletWatch(str(plugin_dir))
         watch.start()
         try:
-            assert watch.socket_loss(watch.look().generation) is SocketLoss.FOREIGN
+            assert watch.socket_loss(watch.kubelet()) is SocketLoss.FOREIGN
         finally:
             watch.close()
             listener.close()
 
     async def test_new_kubelet_is_a_restart(self, plugin_dir: Path) -> None:
-        """A kubelet.sock created since the known generation: a restart, even though it answers."""
+        """A kubelet.sock other than the known one: a restart, even though it answers."""
+        dead_socket(plugin_dir / "kubelet.sock")
         watch = KubeletWatch(str(plugin_dir))
         watch.start()
-        known = watch.look().generation
+        known = watch.kubelet()
+        (plugin_dir / "kubelet.sock").unlink()
         listener = live_socket(plugin_dir / "kubelet.sock")
         try:
             assert watch.socket_loss(known) is SocketLoss.KUBELET_RESTART

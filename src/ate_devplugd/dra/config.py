@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.device_config import is_dns_subdomain, toml_str
+from ate_devplugd.device_config import is_dns_subdomain, toml_str, toml_value
 
 MODES = ("device-plugin", "dra")
 SHARING = ("units", "shared")
@@ -65,7 +65,7 @@ def validate_mode(value: object) -> tuple[str, list[str]]:
         return "device-plugin", []
     if isinstance(value, str) and value in MODES:
         return value, []
-    return "device-plugin", [f"mode: must be one of {', '.join(MODES)}, not {value!r}"]
+    return "device-plugin", [f"mode: must be one of {', '.join(MODES)}, not {toml_value(value)}"]
 
 
 def from_mapping(
@@ -75,25 +75,27 @@ def from_mapping(
     errors: list[str] = []
     data: Mapping[str, Any] = {} if table is None else table
     if not isinstance(data, Mapping):
-        return DraConfig(node_name=""), [f"dra: must be a table, not {data!r}"]
+        return DraConfig(node_name=""), [f"dra: must be a table, not {toml_value(data)}"]
     known = {"driver", "node_name", "kubeconfig", "kubelet_dir", "sharing", "devices"}
-    errors.extend(f"dra: unknown key {key!r}" for key in data if key not in known)
+    errors.extend(f"dra: unknown key {toml_value(key)}" for key in data if key not in known)
 
     driver = data.get("driver", DEFAULT_DRIVER)
     if not (isinstance(driver, str) and is_dns_subdomain(driver, 63)):
-        errors.append(f"dra.driver: {driver!r} must be a DNS subdomain of at most 63 characters, e.g. 'kvm.ate.dev'")
+        errors.append(
+            f"dra.driver: {toml_value(driver)} must be a DNS subdomain of at most 63 characters, e.g. 'kvm.ate.dev'"
+        )
         driver = DEFAULT_DRIVER
 
     if "node_name" in data:
         node_name = data["node_name"]
         if not (isinstance(node_name, str) and is_dns_subdomain(node_name)):
-            errors.append(f"dra.node_name: {node_name!r} must be a node name (a lowercase DNS subdomain)")
+            errors.append(f"dra.node_name: {toml_value(node_name)} must be a node name (a lowercase DNS subdomain)")
             node_name = ""
     else:
         node_name = kubelet_hostname(gethostname)
         if not is_dns_subdomain(node_name):
             errors.append(
-                f"dra.node_name: the host name {node_name!r} is not a valid node name; "
+                f"dra.node_name: the host name {toml_value(node_name)} is not a valid node name; "
                 "set node_name to the name of this node's Node object"
             )
 
@@ -102,14 +104,16 @@ def from_mapping(
 
     sharing = data.get("sharing", "units")
     if sharing not in SHARING:
-        errors.append(f"dra.sharing: must be one of {', '.join(SHARING)}, not {sharing!r}")
+        errors.append(f"dra.sharing: must be one of {', '.join(SHARING)}, not {toml_value(sharing)}")
         sharing = "units"
     devices = data.get("devices", DEFAULT_DEVICES)
     if not isinstance(devices, int) or isinstance(devices, bool) or not 1 <= devices <= MAX_DEVICES:
-        errors.append(f"dra.devices: {devices!r} must be an integer from 1 to {MAX_DEVICES} (one ResourceSlice)")
+        errors.append(
+            f"dra.devices: {toml_value(devices)} must be an integer from 1 to {MAX_DEVICES} (one ResourceSlice)"
+        )
         devices = DEFAULT_DEVICES
     elif sharing == "shared" and "devices" in data:
-        errors.append(f'dra.devices: {devices!r} applies only to sharing = "units" ("shared" has one device)')
+        errors.append(f'dra.devices: {toml_value(devices)} applies only to sharing = "units" ("shared" has one device)')
 
     config = DraConfig(
         node_name=node_name,
@@ -123,7 +127,8 @@ def from_mapping(
         bound = staging_path(path)  # the longest path bound, one byte longer than the socket's
         if kubelet_dir and len(bound.encode()) > MAX_SOCKET_PATH:
             errors.append(
-                f"dra.kubelet_dir: {kubelet_dir!r} makes the socket path {bound!r} (bound, then renamed to "
+                f"dra.kubelet_dir: {toml_value(kubelet_dir)} makes the socket path {toml_value(bound)} "
+                "(bound, then renamed to "
                 f"{posixpath.basename(path)}) longer than {MAX_SOCKET_PATH} bytes"
             )
             break
@@ -133,7 +138,7 @@ def from_mapping(
 def _abs_path(key: str, value: object, errors: list[str]) -> str:
     if isinstance(value, str) and value.startswith("/") and "\0" not in value:
         return posixpath.normpath(value)
-    errors.append(f"{key}: must be an absolute path, not {value!r}")
+    errors.append(f"{key}: must be an absolute path, not {toml_value(value)}")
     return ""
 
 

@@ -243,9 +243,7 @@ class DraDriver:
         self.metrics.registration(registered)
         self._ever_registered = True
         if self._follower is not None:
-            # Hints already queued are judged against the previous kubelet, in here; this one is then
-            # remembered and followed.
-            self._follower.registered()
+            self._follower.registered()  # this kubelet, remembered and followed from now on
         if registered:
             self.kubelet = KubeletState.REGISTERED
             self._kubelet_detail = ""

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.device_config import is_dns_subdomain
+from ate_devplugd.device_config import is_dns_subdomain, toml_value
 from ate_devplugd.dra.config import MAX_DEVICES, DraConfig
 
 API_VERSION = "resource.k8s.io/v1"
@@ -79,7 +79,7 @@ def build_pools(config: DraConfig, resources: Sequence[DraResource]) -> tuple[li
         units = 1 if shared else (res.units or config.devices)
         base = device_base(res.name)
         name = pool_name(config.node_name, res.name)
-        where = f"dra: resource {res.name!r}"
+        where = f"dra: resource {toml_value(res.name)}"
         if len(res.name) > MAX_ATTRIBUTE_STRING:
             errors.append(f"{where}: longer than {MAX_ATTRIBUTE_STRING} characters (a device attribute's limit)")
         elif not 1 <= units <= MAX_DEVICES:
@@ -87,9 +87,11 @@ def build_pools(config: DraConfig, resources: Sequence[DraResource]) -> tuple[li
         elif len(base) + len(str(units - 1)) + 1 > 63:
             errors.append(f"{where}: its device names would be longer than 63 characters")
         elif len(name) > 253 or not all(is_dns_subdomain(part) for part in name.split("/")):
-            errors.append(f"{where}: pool name {name!r} is not valid (at most 253 characters of DNS subdomains)")
+            errors.append(
+                f"{where}: pool name {toml_value(name)} is not valid (at most 253 characters of DNS subdomains)"
+            )
         elif name in seen:
-            errors.append(f"{where}: pool name {name!r} is already used by {seen[name]!r}")
+            errors.append(f"{where}: pool name {toml_value(name)} is already used by {toml_value(seen[name])}")
         else:
             seen[name] = res.name
             devices = (base,) if shared else tuple(f"{base}-{i}" for i in range(units))

@@ -13,9 +13,9 @@ nothing), so no file event tells. What does tell, each on the loop:
 - ``kubelet.sock`` removed or created (``KubeletWatch``): a starting kubelet removes the old one and
   creates its own.
 
-Each is only a hint: ``holds()`` then looks (does kubelet.sock answer? is it still the process that
-registered the driver, or, where its pid is not known, has a kubelet.sock been created since?), so a lost
-or reordered event cannot leave a wrong answer.
+Each is only a hint: ``holds()`` then looks (does kubelet.sock answer? is it still the file that was
+there when kubelet registered the driver, as ``KubeletWatch`` knows a kubelet?), so a lost or reordered
+event cannot leave a wrong answer.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import socket
 import struct
 from collections.abc import Callable
 
-from ate_devplugd.kubelet_watch import KUBELET_SOCKET, KubeletWatch, socket_answers
+from ate_devplugd.kubelet_watch import KUBELET_SOCKET, KubeletWatch
+from ate_devplugd.unixsock import FileIdentity
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 class Presence(enum.Enum):
     """The kubelet that registered the driver, as seen now."""
 
-    #: It still runs (its kubelet.sock answers, from the same process).
+    #: It still runs (its kubelet.sock, the same file, answers).
     HOLDS = "holds"
-    #: Another kubelet answers on kubelet.sock, which has not registered the driver (yet).
+    #: Another kubelet.sock answers: a kubelet that has not registered the driver (yet).
     RESTARTED = "restarted"
     #: Its kubelet.sock does not answer: no kubelet runs.
     GONE = "gone"
@@ -67,8 +68,8 @@ class KubeletPresence:
     def __init__(self, watch: KubeletWatch, on_change: Callable[[], None]) -> None:
         self._watch = watch
         self._on_change = on_change
-        #: The kubelet generation (count of kubelet.sock creations) the driver was registered under.
-        self._generation = -1
+        #: The kubelet.sock there when kubelet registered the driver: that kubelet.
+        self._kubelet: FileIdentity | None = None
         self._pidfd = -1
         #: The pid listening on kubelet.sock when kubelet registered the driver (None: not known).
         self._pid: int | None = None
@@ -91,23 +92,20 @@ class KubeletPresence:
         self._unfollow()
 
     def registered(self) -> None:
-        """kubelet has just registered the driver: remember which kubelet, and follow its process."""
-        self._generation = self._watch.look().generation
+        """kubelet has just registered the driver: remember which kubelet (kubelet registers drivers
+        only after its device manager has bound its kubelet.sock), and follow its process."""
+        self._kubelet = self._watch.kubelet()
         self._pid = self._kubelet_pid()
         self._follow()
 
     def holds(self) -> Presence:
-        """Whether the kubelet that registered the driver still runs. Its pid tells, where known (an
-        inotify overflow or the directory coming back counts as a new kubelet.sock, which it is not);
-        else the kubelet generation, counted after asking (as ``KubeletWatch.socket_loss`` does: a new
-        kubelet.sock that answers had its create event queued before the connect)."""
-        answers = socket_answers(self._watch.kubelet_socket)
-        generation = self._watch.look().generation
+        """Whether the kubelet that registered the driver still runs. Ask first, then look, as
+        ``KubeletWatch.socket_loss`` does: looked at first, a stale kubelet.sock replaced by a new
+        kubelet's live one between the two would pass for the old kubelet still answering."""
+        answers = self._watch.answers()
         if not answers:
             return Presence.GONE
-        if self._pid is not None:
-            return Presence.HOLDS if self._kubelet_pid() == self._pid else Presence.RESTARTED
-        return Presence.HOLDS if generation == self._generation else Presence.RESTARTED
+        return Presence.HOLDS if self._watch.kubelet() == self._kubelet else Presence.RESTARTED
 
     def _kubelet_pid(self) -> int | None:
         pid = listener_pid(self._watch.kubelet_socket)
@@ -118,12 +116,10 @@ class KubeletPresence:
         pid = self._pid
         if pid is None:
             return
+        # No pidfd (Linux before 5.3, a seccomp filter that refuses it): the other hints remain.
         try:
             fd = os.pidfd_open(pid)
-        except (
-            AttributeError,
-            OSError,
-        ) as exc:  # no pidfd (Linux before 5.3, a seccomp filter): the other hints remain
+        except (AttributeError, OSError) as exc:
             log.debug("dra: cannot follow kubelet's process %d: %s", pid, exc)
             return
         self._pidfd = fd

@@ -30,7 +30,8 @@ from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from ate_devplugd.dra.config import staging_path
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.dra.prepare import ClaimRef, Preparer
-from ate_devplugd.endpoint import FileIdentity, check_socket_free
+from ate_devplugd.endpoint import check_socket_free
+from ate_devplugd.unixsock import FileIdentity
 
 log = logging.getLogger(__name__)
 

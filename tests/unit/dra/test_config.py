@@ -66,7 +66,7 @@ class TestErrors:
             ("kubelet_dir = 3", "dra.kubelet_dir: must be an absolute path, not 3"),
             ('sharing = "both"', "dra.sharing: must be one of units, shared, not 'both'"),
             ("devices = 129", "dra.devices: 129 must be an integer from 1 to 128"),
-            ("devices = true", "dra.devices: True must be an integer"),
+            ("devices = true", "dra.devices: true must be an integer"),
             ('sharing = "shared"\ndevices = 4', "dra.devices: 4 applies only to sharing"),
             ("colour = 1", "dra: unknown key 'colour'"),
             ('kubelet_dir = "/' + "d" * 90 + '"', "longer than 107 bytes"),

@@ -1,0 +1,45 @@
+"""Unix-socket files as the daemon sees them: which file is at a path, and whether a process listens on it.
+
+A socket file's identity (device, inode, ctime) tells one file from a later one at the same path: inode
+numbers are reused once a file is gone (ext4 and XFS hand out a freed one again at once), the ctime of a
+new file is its creation. Both our own socket and kubelet's are told apart this way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """One file at a path, told apart from a later file at the same path."""
+
+    dev: int
+    ino: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str) -> FileIdentity | None:
+        """The file at ``path`` now (not following a symlink), or None when there is none."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def socket_answers(path: str) -> bool:
+    """Whether a process listens on the unix socket ``path`` (a non-blocking connect: it answers or
+    refuses at once)."""
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        peer.connect(path)
+    except BlockingIOError:
+        return True  # its backlog is full: it listens
+    except OSError:
+        return False
+    finally:
+        peer.close()
+    return True

@@ -1,0 +1,176 @@
+"""The command line as a newcomer meets it: the real ``ate-devplugd`` as a subprocess, its words checked.
+
+Usage errors exit 2 (argparse's convention), config errors 78; values in config errors are written as
+in TOML; ``check-config`` says what the config means on this host (a directory for a device path, the
+cost of a large ``count``, the default device served when no table is given).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support import run_cli
+
+COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests")
+EX_USAGE = 2
+EX_CONFIG = 78
+KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
+
+
+def config_file(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
+    """A config on the test's own directories: nothing of the host is read for devices."""
+    root = tmp_path / "root"
+    (root / "dev").mkdir(parents=True, exist_ok=True)
+    path = tmp_path / name
+    path.write_text(f'dev_root = "{root}"\nplugin_dir = "{tmp_path / "plugins"}"\nmetrics_file = ""\n' + text)
+    return path
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("ate-devplugd: config error: ")]
+
+
+# -- commands ----------------------------------------------------------------------------------------
+async def test_unknown_command_says_so_and_names_the_commands() -> None:
+    """``ate-devplugd bogus`` is an unknown command (not argparse's "unrecognized arguments"), and the
+    message lists every command."""
+    status, out, err = await run_cli("bogus")
+    assert status == EX_USAGE, err
+    assert out == ""
+    assert "unknown command 'bogus'" in err and "unrecognized arguments" not in err, err
+    for name in COMMANDS:
+        assert name in err, (name, err)
+
+
+async def test_config_may_come_before_or_after_the_command(tmp_path: Path) -> None:
+    """``--config X check-config`` is ``check-config --config X`` (and ``--config=X``), reading X."""
+    cfg = config_file(tmp_path, KVM + "count = 7\n")
+    results = [
+        await run_cli("--config", str(cfg), "check-config"),
+        await run_cli("check-config", "--config", str(cfg)),
+        await run_cli(f"--config={cfg}", "check-config"),
+    ]
+    for status, out, err in results:
+        assert status == 0, err
+        assert "count = 7" in out, out
+    assert len({out for _, out, _ in results}) == 1
+
+
+async def test_options_alone_still_mean_run(tmp_path: Path) -> None:
+    """Options without a command are the daemon's (``run`` is the default): a bad file stops it at 78."""
+    cfg = config_file(tmp_path, KVM + "count = 0\n")
+    status, _, err = await run_cli("--config", str(cfg), "--log-target", "console")
+    assert status == EX_CONFIG, err
+    assert "count: 0 must be an integer" in err
+    assert not (tmp_path / "plugins").exists()
+
+
+async def test_help_lists_each_command_once_with_its_line() -> None:
+    """``--help`` lists the commands once, each on one line with what it does; each command's own help
+    starts with that line."""
+    status, out, _ = await run_cli("--help")
+    assert status == 0
+    lines = out.splitlines()
+    for name in COMMANDS:
+        listed = [line for line in lines if line.split()[:1] == [name]]
+        assert len(listed) == 1, (name, out)
+        assert len(listed[0].split()) > 3, listed  # the name and what the command does
+    assert "{run," not in out  # argparse's own list of choices
+    for name in COMMANDS:
+        status, own, _ = await run_cli(name, "--help")
+        assert status == 0
+        description = own.split("\n\n")[1].replace("\n", " ")
+        line = next(line for line in lines if line.split()[:1] == [name])
+        assert description == line.split(maxsplit=1)[1], (description, line)
+
+
+async def test_probe_timeout_has_a_default_and_must_be_positive(tmp_path: Path) -> None:
+    """``probe --help`` shows the timeout's default; 0, a negative or a non-finite number is refused
+    with a clear message before anything is probed."""
+    status, out, _ = await run_cli("probe", "--help")
+    assert status == 0
+    assert "(default 5)" in " ".join(out.split()), out
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        status, out, err = await run_cli("probe", "--timeout", bad, "--plugin-dir", str(tmp_path))
+        assert status == EX_USAGE, (bad, err)
+        assert out == ""
+        assert f"--timeout: must be a number of seconds above 0, e.g. 5, not {bad}" in err, err
+
+
+# -- config errors as TOML ----------------------------------------------------------------------------
+async def test_config_errors_show_values_as_written_in_toml(tmp_path: Path) -> None:
+    """Booleans, octal modes, tables and arrays appear in TOML form, never as Python."""
+    cfg = config_file(
+        tmp_path,
+        'log_level = ["debug"]\ndra = [{driver = "x"}]\n'
+        + KVM
+        + "count = true\ncdi = true\ncontainer_mode = 0o1777\ncontainer_uid = 1.5\n",
+    )
+    status, out, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == EX_CONFIG and out == "", err
+    for fragment in (
+        "count: true must be an integer",
+        "container_mode: 0o1777 must be a file mode",
+        "container_uid: 1.5 must be a uid",
+        "dra: must be a table, not [{driver = 'x'}]",
+        "log_level: must be one of debug, info, warning, error, not ['debug']",
+    ):
+        assert fragment in err, (fragment, err)
+    for python in ("True", "1023", "None", "{'", "[{'"):
+        assert python not in err, (python, err)
+
+
+async def test_unreadable_file_is_named_once(tmp_path: Path) -> None:
+    """A missing file: ``cannot read <path>: No such file or directory``, the path once, no errno."""
+    missing = tmp_path / "nope.toml"
+    status, out, err = await run_cli("check-config", "--config", str(missing))
+    assert status == EX_CONFIG and out == ""
+    assert err == f"ate-devplugd: config error: cannot read {missing}: No such file or directory\n", err
+
+
+async def test_one_duplicate_device_is_one_error_line(tmp_path: Path) -> None:
+    """A ``[[device]]`` table given twice (same resource, path and so socket) is one line, not three."""
+    cfg = config_file(tmp_path, KVM + KVM)
+    status, _, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == EX_CONFIG
+    assert error_lines(err) == [
+        "ate-devplugd: config error: device[1] (ate.dev/kvm): resource 'ate.dev/kvm' and path '/dev/kvm' "
+        "are already used by device[0] (ate.dev/kvm)"
+    ], err
+
+
+# -- what check-config says of the host -----------------------------------------------------------------
+async def test_device_path_that_is_a_directory_fails_check_config(tmp_path: Path) -> None:
+    """``path = "/dev/shm"`` (a directory) fails check-config with 78 and says why."""
+    cfg = config_file(tmp_path, '[[device]]\nresource = "ate.dev/shm"\npath = "/dev/shm"\n')
+    (tmp_path / "root" / "dev" / "shm").mkdir()
+    status, out, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == EX_CONFIG and out == "", err
+    assert error_lines(err) == [
+        "ate-devplugd: config error: device[0] (ate.dev/shm): path: '/dev/shm' is a directory; "
+        "path names a device node, e.g. '/dev/kvm'"
+    ], err
+
+
+async def test_no_device_table_says_the_default_is_served(tmp_path: Path) -> None:
+    """A file without ``[[device]]`` serves the default device, and check-config says so on stderr
+    (stdout stays the effective config); a file with a table gets no such line."""
+    cfg = config_file(tmp_path, "")
+    status, out, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == 0, err
+    assert err == "ate-devplugd: note: no [[device]] table: serving the default ate.dev/kvm -> /dev/kvm\n", err
+    assert 'resource = "ate.dev/kvm"' in out
+    status, _, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM, "kvm.toml")))
+    assert status == 0 and err == "", err
+
+
+async def test_large_count_warns_of_its_cost_and_still_passes(tmp_path: Path) -> None:
+    """Above 16384 units check-config warns what they cost kubelet; exit 0. At 16384 it says nothing."""
+    status, out, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM + "count = 16385\n")))
+    assert status == 0, err
+    assert "count = 16385" in out
+    (line,) = err.splitlines()
+    assert line.startswith("ate-devplugd: config warning: device[0] (ate.dev/kvm): count: 16385 units cost kubelet")
+    assert "3.3 MiB" in line, line  # 214 B a unit
+    status, _, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM + "count = 16384\n")))
+    assert status == 0 and err == "", err
