@@ -70,7 +70,10 @@ class TestAllRight:
         try:
             async with daemon_in_process(config, kernel):
                 await kubelet.next_event("list")
-                await wait_for_content(Path(config.metrics_file), 'ate_devplugd_registered{resource="ate.dev/kvm"} 1')
+                prom = Path(config.metrics_file)
+                await wait_for_content(prom, 'ate_devplugd_registered{resource="ate.dev/kvm"} 1')
+                # the file may be written between the registration and kubelet's ListAndWatch (issue 24, 3)
+                await wait_for_content(prom, 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1')
                 findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: str(binary)))
         finally:
             await kubelet.stop()
