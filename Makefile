@@ -13,7 +13,7 @@ STAMPS    := .cache/stamps
 PB        := src/ate_devplugd/_pb
 PROTO     := proto/deviceplugin/v1beta1/api.proto
 # DRA and CRI protos: proto/<dir>/api.proto is generated as ate_devplugd._pb.<dir as package>.api_pb2
-DRA_PROTO_DIRS := dra/v1 dra/v1beta1 pluginregistration/v1 drahealth/v1alpha1 cri/v1
+DRA_PROTO_DIRS := dra/v1 dra/v1beta1 pluginregistration/v1 drahealth/v1alpha1 cri/v1 podresources/v1
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/ate_devplugd/__init__.py)
 DEB       := dist/ate-devplugd_$(VERSION)_all.deb
 NOBODY    := setpriv --reuid=65534 --regid=65534 --clear-groups
@@ -154,10 +154,12 @@ e2e: $(DEB) ## the .deb in a Debian 12 VM (qemu) with real udevd and kernel modu
 
 # In CI the tests of real consumers (podman, containerd, node_exporter, promtool) fail, saying why,
 # where they cannot run, rather than skip. `runtimes` comes first: `make test` drives containerd 1.7
-# from the trixie tree.
+# from the trixie tree. ATE_RESTARTS=1000 runs tests/fault/test_registration_once.py's random kubelet
+# restarts at full size (1,000 with the CPU idle, 1,000 with it overcommitted: about 3 minutes a suite).
 check: export ATE_REQUIRE_PODMAN := 1
 check: export ATE_REQUIRE_CONTAINERD := 1
 check: export ATE_REQUIRE_PROMETHEUS_TOOLS := 1
+check: export ATE_RESTARTS := 1000
 check: runtimes test test-nonroot test-trixie ## what CI runs: `make test`, as nobody, on Debian 13, bench smoke, package and VM tests
 	@echo "== benchmark smoke run (figures not checked)"
 	$(MAKE) --no-print-directory bench QUICK=1

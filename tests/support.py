@@ -61,14 +61,22 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM", "INVOCATION_ID")
+        if k
+        not in (
+            "NOTIFY_SOCKET",
+            "WATCHDOG_USEC",
+            "WATCHDOG_PID",
+            "JOURNAL_STREAM",
+            "INVOCATION_ID",
+            "RUNTIME_DIRECTORY",
+        )
     }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
 
 
-async def run_cli(*args: str) -> tuple[int, str, str]:
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """``ate-devplugd ARGS`` as a subprocess, awaited on the loop (which may serve what it asks):
     its exit status, stdout and stderr."""
     proc = await asyncio.create_subprocess_exec(
@@ -78,7 +86,7 @@ async def run_cli(*args: str) -> tuple[int, str, str]:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=subprocess_env(),
+        env=env or subprocess_env(),
     )
     out, err = await proc.communicate()
     assert proc.returncode is not None
@@ -596,12 +604,21 @@ async def daemon_in_process(
     monitor: FakeMonitor | None = None,
     reload_config: Callable[[], Config] | None = None,
     notify: Path | None = None,
+    running_config: Path | None = None,
 ) -> AsyncIterator[DaemonInProcess]:
-    """``Daemon`` on this loop with ``kernel`` for the device nodes and ``monitor`` for udev."""
+    """``Daemon`` on this loop with ``kernel`` for the device nodes and ``monitor`` for udev (and, given
+    ``running_config``, the config it runs kept there, as under the unit)."""
     factory = (lambda: (monitor, "udev")) if monitor is not None else None
     notifier = Notifier(str(notify) if notify is not None else None)
     with recording_events() as events:
-        daemon = Daemon(config, reload_config=reload_config, kernel=kernel, monitor_factory=factory, notifier=notifier)
+        daemon = Daemon(
+            config,
+            reload_config=reload_config,
+            kernel=kernel,
+            monitor_factory=factory,
+            notifier=notifier,
+            running_config=str(running_config) if running_config is not None else None,
+        )
         task = asyncio.get_running_loop().create_task(daemon.run())
         try:
             yield DaemonInProcess(daemon, task, events)

@@ -50,6 +50,7 @@ examples:
   ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
+             77 not root: cannot create or write the plugin directory (EX_NOPERM);
              1 probe found a socket that does not answer, or doctor found a FAIL; 2 bad usage.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
 """
@@ -185,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "probe" and args.plugin_dir:
             cfg = cfg.with_overrides(plugin_dir=args.plugin_dir)
     except ConfigError as exc:
-        return _config_error(exc)
+        running = _running_config(exc, args.config, args.plugin_dir) if args.command == "probe" else None
+        if running is None:
+            return _config_error(exc)
+        cfg = running
 
     if args.command == "check-config":
         return _check_config(cfg)
@@ -212,6 +216,24 @@ def _check_config(cfg: configmod.Config) -> int:
 def _run_overrides(args: argparse.Namespace) -> dict[str, str | None]:
     """What `run`'s options set over the file (None: not given)."""
     return {"plugin_dir": args.plugin_dir, "dev_root": args.dev_root, "log_level": args.log_level}
+
+
+def _running_config(broken: ConfigError, config: str | None, plugin_dir: str | None) -> configmod.Config | None:
+    """For `probe` when the config file does not parse: the config the running daemon wrote, if any,
+    saying so on stderr (None: there is none either)."""
+    path = configmod.running_config_path()
+    try:
+        cfg = configmod.load(path)
+        if plugin_dir:
+            cfg = cfg.with_overrides(plugin_dir=plugin_dir)
+    except ConfigError:
+        return None
+    print(
+        f"ate-devplugd: probing with the running daemon's config from {path}; "
+        f"{config or DEFAULT_CONFIG_PATH} does not parse: {broken.errors[0]}",
+        file=sys.stderr,
+    )
+    return cfg
 
 
 def _dra_manifests(cfg: configmod.Config, *, with_access: bool) -> int:
@@ -308,7 +330,9 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
     if early.stop:
         return os.EX_OK
-    daemon = Daemon(cfg, reload_config=reload_config)
+    # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`.
+    running = configmod.running_config_path() if os.environ.get("RUNTIME_DIRECTORY") else None
+    daemon = Daemon(cfg, reload_config=reload_config, running_config=running)
 
     async def run() -> int:
         task = asyncio.ensure_future(daemon.run())

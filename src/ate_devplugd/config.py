@@ -30,8 +30,26 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 #: node_exporter's textfile directory on Debian, and our file in it.
 DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Where the daemon keeps the config it runs (the unit's RuntimeDirectory=; systemd passes it as
+#: $RUNTIME_DIRECTORY), for `probe` when the file on disk does not parse.
+DEFAULT_RUNTIME_DIR = "/run/ate-devplugd"
+RUNNING_CONFIG_NAME = "running-config.toml"
+#: Keys a reload cannot change: the plugin directory (the instance lock and the sockets' home), the mode
+#: and the ``[dra]`` table (a new mode would read the devices under other rules: DRA mode gives each a CDI
+#: spec).
+RESTART_ONLY = ("plugin_dir", "mode", "dra")
 
-__all__ = ["Config", "ConfigError", "DeviceConfig", "diff", "load", "parse", "render"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DeviceConfig",
+    "diff",
+    "load",
+    "parse",
+    "render",
+    "restart_only_change",
+    "running_config_path",
+]
 
 
 class ConfigError(Exception):
@@ -102,6 +120,31 @@ def diff(old: Config, new: Config) -> ConfigDiff:
         removed=tuple(name for name in before if name not in after),
         unchanged=tuple(name for name in after if name in before and after[name] == before[name]),
     )
+
+
+def restart_only_change(running: Config, new: Config) -> str | None:
+    """One line naming each restart-only key (``RESTART_ONLY``) ``new`` changes, new value first, as TOML;
+    None when a reload may apply ``new``."""
+    parts = []
+    for key in RESTART_ONLY:
+        was, now = getattr(running, key), getattr(new, key)
+        if now == was:
+            continue
+        if key == "dra":  # a table: said in a word
+            parts.append("[dra] " + ("added" if was is None else "removed" if now is None else "changed"))
+        else:
+            parts.append(f"{key} = {toml_value(now)} (running: {toml_value(was)})")
+    if not parts:
+        return None
+    verb = "changes" if len(parts) == 1 else "change"
+    return f"{', '.join(parts)}: {verb} only on restart, so nothing of this reload was applied"
+
+
+def running_config_path(environ: Mapping[str, str] = os.environ) -> str:
+    """The running daemon's copy of its config: in $RUNTIME_DIRECTORY (its first entry) when systemd
+    set it, else in ``DEFAULT_RUNTIME_DIR``."""
+    runtime_dir = environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or DEFAULT_RUNTIME_DIR
+    return posixpath.join(runtime_dir, RUNNING_CONFIG_NAME)
 
 
 def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) -> Config:
@@ -193,8 +236,9 @@ def review(config: Config) -> Review:
     """Look at a loaded config as ``check-config`` does: each device path on this host (under
     ``dev_root``), what each ``count`` costs kubelet, and whether the devices are the defaults.
 
-    Only ``check-config`` calls this: the daemon serves a path that is a directory as an absent device
-    (it may become the node later), and says so in STATUS.
+    ``check-config`` and a reload call this: at start the daemon serves a path that is a directory as an
+    absent device (it may become the node later) and says so in STATUS, but a reload refuses what
+    ``check-config`` refuses, since the unit's reload runs ``check-config`` and fails on its errors.
     """
     errors: list[str] = []
     warnings: list[str] = []

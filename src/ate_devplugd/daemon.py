@@ -11,20 +11,27 @@ is created again; "unknown" as soon as it goes; never on a timer). The main loop
 flag is set; the only timers are the watchdog ping, the sessions' back-off and the coalescing delays of
 the metrics file and of the runtime socket's events. Reload applies a config diff: added
 resources are served, removed ones stopped, changed ones keep serving (their new list goes out on the
-open ListAndWatch stream).
+open ListAndWatch stream). A reload is applied whole or not at all: a config error, a socket another
+process serves, or a changed restart-only key (``config.RESTART_ONLY``; in DRA mode also the set of
+resources) refuses it before anything changes, and STATUS ends with ``reload refused HH:MM:SS: <why>``
+until the next good reload. Under systemd the config it runs is kept in its runtime directory
+(``running-config.toml``, rewritten at start and after each good reload) for ``probe``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
+import errno
 import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ate_devplugd import atomicfile
 from ate_devplugd import config as configmod
 from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
@@ -33,7 +40,7 @@ from ate_devplugd.endpoint import SocketInUseError
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
-from ate_devplugd.lock import InstanceLock, busy_sockets, make_plugin_dir
+from ate_devplugd.lock import InstanceLock, NoPermissionError, busy_sockets, make_plugin_dir, no_permission
 from ate_devplugd.logs import EventLog
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.notify import Notifier, watchdog_interval
@@ -61,9 +68,12 @@ class Daemon:
         kernel: KernelView | None = None,
         monitor_factory: MonitorFactory | None = None,
         notifier: Notifier | None = None,
+        running_config: str | None = None,
     ) -> None:
         self.config = config
         self._reload_config = reload_config
+        #: Where the config it runs is kept for `probe` (None: nowhere; the CLI gives it under systemd).
+        self._running_config = running_config
         self._kernel = kernel
         self._monitor_factory = monitor_factory
         self._notifier = notifier or Notifier.from_env()
@@ -82,6 +92,8 @@ class Daemon:
         self._wake = asyncio.Event()
         self._reload_requested = False
         self._ready = False
+        #: The end of STATUS after a reload that was refused or failed, until the next good one.
+        self._reload_note: str | None = None
 
     # -- signals: handlers only set flags --------------------------------------------------------
     def request_stop(self) -> None:
@@ -115,8 +127,12 @@ class Daemon:
             return os.EX_CANTCREAT
         watchdog: asyncio.Task[None] | None = None
         try:
-            if not await self._start():
-                return os.EX_CANTCREAT
+            try:
+                if not await self._start():
+                    return os.EX_CANTCREAT
+            except NoPermissionError as exc:
+                self._events.error("no-permission", "%s; not starting", exc)
+                return os.EX_NOPERM
             watchdog = self._start_watchdog()
             await self._main_loop()
             self._notifier.stopping()
@@ -134,6 +150,7 @@ class Daemon:
             self._watch.close()
             self._lock.release()
             self._notifier.close()
+            self._forget_running_config()
 
     async def _start(self) -> bool:
         """Watch, then read the state, then serve; False if another process serves our sockets."""
@@ -158,10 +175,15 @@ class Daemon:
             return False
         try:
             await self._mode.start([dev.resource for dev in self.config.devices])
+        except PermissionError as exc:  # DRA mode makes its directories in kubelet's, as root only can
+            if exc.errno != errno.EACCES or exc.filename is None:
+                raise
+            raise no_permission("create", str(exc.filename)) from exc
         except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
             log.error("cannot serve: %s; is another ate-devplugd running? Not starting", exc)  # noqa: TRY400 - it says why
             return False
         self._ready = True
+        self._keep_running_config()
         self._notifier.ready(self.status_line())
         self._events.info("ready", "ready: %s", self.status_line())
         # Metrics from now on: the first write comes after READY.
@@ -223,8 +245,9 @@ class Daemon:
                 self._notifier.reloading()
                 try:
                     applied = await self.reload()
-                except Exception:  # noqa: BLE001 - a failed reload must not take the running daemon down
+                except Exception as exc:  # noqa: BLE001 - a failed reload must not take the running daemon down
                     self._events.error("reload-failed", "reload failed; the daemon keeps running", exc_info=True)
+                    self._reload_note = f"reload failed {time.strftime('%H:%M:%S')}: {exc}"
                     applied = False
                 if applied:
                     self._metrics.reload()
@@ -250,7 +273,9 @@ class Daemon:
         the runtime does with CDI names, once it has answered."""
         line = self._mode.status_line() if self._mode is not None else "starting"
         report = self._runtime.report
-        return line if report is None else f"{line} | cdi: {report.describe()}"
+        if report is not None:
+            line += f" | cdi: {report.describe()}"
+        return line if self._reload_note is None else f"{line} | {self._reload_note}"
 
     def _update_status(self) -> None:
         if self._ready:
@@ -260,26 +285,39 @@ class Daemon:
     async def reload(self) -> bool:
         """Apply a re-read config: added resources served, removed ones stopped, changed ones kept serving.
 
-        False when the new config is refused (the running one is kept)."""
+        False when the new config is refused: nothing of it is applied, the running one is kept, and
+        STATUS says why until the next good reload."""
         try:
             new = self._reload_config() if self._reload_config is not None else self.config
         except ConfigError as exc:
             for line in exc.errors:
                 self._events.error("reload-failed", "config error, keeping the running config: %s", line)
-            return False
-        logging.getLogger().setLevel(new.log_level.upper())
-        for key in ("plugin_dir", "mode", "dra"):
-            if getattr(new, key) != getattr(self.config, key):
-                log.warning("%s changes only on restart; keeping %s", key, getattr(self.config, key))
-                new = dataclasses.replace(new, **{key: getattr(self.config, key)})
+            return self._refused(exc.errors[0])
+        review = configmod.review(new)  # what check-config refuses (ExecReload fails on it too)
+        for line in review.errors:
+            self._events.error("reload-failed", "config error, keeping the running config: %s", line)
+        if review.errors:
+            return self._refused(review.errors[0])
+        restart = configmod.restart_only_change(self.config, new)
         change = configmod.diff(self.config, new)
+        if restart is None and self.config.mode == "dra" and (change.added or change.removed):
+            names = [f"adding {name}" for name in change.added] + [f"removing {name}" for name in change.removed]
+            restart = (
+                f"DRA mode's set of resources changes only on restart ({', '.join(names)}), "
+                "so nothing of this reload was applied"
+            )
+        if restart is not None:
+            self._events.error("reload-failed", "%s", restart)
+            return self._refused(restart)
         added = tuple(dev for dev in new.devices if dev.resource in change.added)
         busy = busy_sockets(new.plugin_dir, added) if new.mode != "dra" else []
         for msg in busy:
             self._events.error("reload-failed", "%s; keeping the running config", msg)
         if busy:
-            return False
+            return self._refused(busy[0])
+        logging.getLogger().setLevel(new.log_level.upper())
         self.config = new
+        self._reload_note = None
         assert self._mode is not None and self._registry is not None
         await self._mode.stop(change.removed)
         for name in change.removed:
@@ -293,6 +331,7 @@ class Daemon:
             self._udev.set_subsystems(self._registry.subsystems())
         await self._mode.start(change.added)
         self._ask_runtime()
+        self._keep_running_config()
         self._events.info(
             "reload",
             "reloaded: %d added, %d changed, %d removed, %d unchanged",
@@ -302,3 +341,30 @@ class Daemon:
             len(change.unchanged),
         )
         return True
+
+    def _refused(self, why: str) -> bool:
+        """A refused reload: STATUS ends with when and why (the first error) until the next good one."""
+        self._reload_note = f"reload refused {time.strftime('%H:%M:%S')}: {why}"
+        return False
+
+    # -- the running config, for `probe` ----------------------------------------------------------
+    def _keep_running_config(self) -> None:
+        """Write the config being run (as TOML, in one step) where `probe` finds it when the file on disk
+        does not parse."""
+        if self._running_config is None:
+            return
+        try:
+            atomicfile.replace_file(self._running_config, configmod.render(self.config).encode(), 0o644)
+        except OSError as exc:
+            self._events.warning(
+                "running-config-failed",
+                "cannot write %s (%s); probe reads only the config file",
+                self._running_config,
+                exc.strerror,
+            )
+
+    def _forget_running_config(self) -> None:
+        """At the stop: no copy outlives the daemon (systemd removes its runtime directory too)."""
+        if self._running_config is not None and self._ready:
+            with contextlib.suppress(OSError):
+                os.unlink(self._running_config)

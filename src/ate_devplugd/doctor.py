@@ -28,6 +28,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ate_devplugd import config as configmod
 from ate_devplugd import devices, runtime_cdi
@@ -37,6 +38,9 @@ from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.lock import InstanceLock
 from ate_devplugd.runtime_cdi import CdiVerdict, RuntimeReport
 from ate_devplugd.unixsock import socket_answers
+
+if TYPE_CHECKING:
+    from ate_devplugd.podresources import Allocatable
 
 #: Where ``kubelet --version`` is looked for when it is not on PATH.
 KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet")
@@ -224,8 +228,13 @@ async def daemon_findings(cfg: Config, node: Node) -> list[Finding]:
     out = [ok("daemon", f"running (pid {pid})")]
     if cfg.mode == "dra":
         return out + [dra_registration_finding(cfg, dev.resource, node) for dev in cfg.devices]
-    from ate_devplugd import nodeprobe  # noqa: PLC0415 - gRPC only when the daemon runs
+    from ate_devplugd import nodeprobe, podresources  # noqa: PLC0415 - gRPC only when the daemon runs
 
+    held: podresources.Allocatable | str
+    try:
+        held = await podresources.allocatable(podresources.socket_for(cfg.plugin_dir), TIMEOUT)
+    except podresources.Unanswered as exc:
+        held = str(exc)
     for dev in cfg.devices:
         check = f"socket {dev.resource}"
         if not os.path.exists(posixpath.join(cfg.plugin_dir, dev.socket_name)):
@@ -238,7 +247,7 @@ async def daemon_findings(cfg: Config, node: Node) -> list[Finding]:
             out.append(warn(check, f"answers, {row.healthy}/{row.total} units healthy", "see the device line"))
         else:
             out.append(ok(check, f"answers: {row.healthy}/{row.total} healthy, Allocate grants {row.grants}"))
-        out.append(registration_finding(cfg, dev.resource, node))
+        out.append(registration_finding(cfg, dev.resource, node, held))
     return out
 
 
@@ -251,22 +260,33 @@ def metric_value(text: str, name: str, resource: str) -> float | None:
 
 def dra_registration_finding(cfg: Config, resource: str, node: Node) -> Finding:
     """DRA mode: a kubelet that does not answer holds no registration, whatever the metrics file (written
-    up to 1 s after a change) says; else as ``registration_finding``."""
+    shortly after a change) says; else as ``registration_finding``."""
     if not socket_answers(posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)):
         message = "not registered: kubelet does not answer (see kubelet)"
         return fail(f"registered {resource}", message, "systemctl status kubelet")
     return registration_finding(cfg, resource, node)
 
 
-def registration_finding(cfg: Config, resource: str, node: Node) -> Finding:
-    """Only the daemon knows whether kubelet holds its registration: it says so in its metrics file."""
+def registration_finding(cfg: Config, resource: str, node: Node, held: Allocatable | str = "") -> Finding:
+    """Whether kubelet holds the resource: in device-plugin mode kubelet's own pod-resources API says which
+    units it offers (``held``; the text of why it could not be asked otherwise); without it, the daemon's
+    metrics file says what the daemon knows."""
     check = f"registered {resource}"
+    if not isinstance(held, str):
+        return offered_finding(check, held.units.get(resource, 0))
+    return metrics_finding(cfg, check, resource, node, f"; pod-resources API: {held}" if held else "")
+
+
+def metrics_finding(cfg: Config, check: str, resource: str, node: Node, asked: str) -> Finding:
+    """What the daemon's metrics file says of the registration (``asked``: why kubelet was not asked)."""
     if not cfg.metrics_file:
-        return warn(check, "cannot tell: metrics_file is off", "systemctl status ate-devplugd shows it")
+        return warn(check, f"cannot tell: metrics_file is off{asked}", "systemctl status ate-devplugd shows it")
     try:
         text = node.read_metrics(cfg.metrics_file)
     except OSError as exc:
-        return warn(check, f"cannot tell: {cfg.metrics_file}: {exc.strerror}", "systemctl status ate-devplugd shows it")
+        return warn(
+            check, f"cannot tell: {cfg.metrics_file}: {exc.strerror}{asked}", "systemctl status ate-devplugd shows it"
+        )
     registered = metric_value(text, "ate_devplugd_registered", resource)
     if registered is None:
         return warn(check, f"cannot tell: {cfg.metrics_file} has no registration for it")
@@ -275,6 +295,17 @@ def registration_finding(cfg: Config, resource: str, node: Node) -> Finding:
     if cfg.mode != "dra" and metric_value(text, "ate_devplugd_listandwatch_streams", resource) == 0:
         return fail(check, "registered, but kubelet closed its ListAndWatch stream", "systemctl restart kubelet")
     return ok(check, "kubelet holds its registration")
+
+
+def offered_finding(check: str, units: int) -> Finding:
+    """What kubelet's pod-resources API says it offers of the resource."""
+    if units:
+        return ok(check, f"kubelet offers {units} units of it (its pod-resources API)")
+    return fail(
+        check,
+        "kubelet offers no unit of it (its pod-resources API)",
+        "systemctl status ate-devplugd (its STATUS says why); journalctl -u ate-devplugd",
+    )
 
 
 # -- kubelet, cgroups ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import logging
 import os
@@ -16,14 +17,44 @@ from ate_devplugd.config import DeviceConfig
 log = logging.getLogger("ate_devplugd")
 
 
+class NoPermissionError(Exception):
+    """The daemon's user may never create or write a directory it needs: permission bits refuse it
+    (EACCES), which, unlike a read-only or full file system, does not pass by itself."""
+
+
+def no_permission(verb: str, directory: str) -> NoPermissionError:
+    return NoPermissionError(
+        f"cannot {verb} {directory}: permission denied (uid {os.geteuid()}); ate-devplugd runs as root, "
+        "and the directory must be root's"
+    )
+
+
 def make_plugin_dir(plugin_dir: str) -> None:
-    """Create the directory 0750 (as kubelet does) if it is missing; if that fails, the sessions wait for it."""
+    """Create the directory 0750 (as kubelet does) if it is missing; if that fails, the sessions wait for it.
+
+    Raises NoPermissionError when our user may not create the directory or write in it; a read-only or
+    immutable file system, or one still to be mounted, is waited for instead."""
     if not os.path.isdir(plugin_dir):
         try:
             os.makedirs(plugin_dir, mode=0o750, exist_ok=True)
             log.info("created %s", plugin_dir)
         except OSError as exc:
+            if exc.errno == errno.EACCES:
+                raise no_permission("create", plugin_dir) from exc
             log.warning("cannot create %s (%s); waiting for it to appear", plugin_dir, exc.strerror)
+        return
+    if _access_errno(plugin_dir, os.W_OK | os.X_OK) == errno.EACCES:
+        raise no_permission("write", plugin_dir)
+
+
+def _access_errno(path: str, mode: int) -> int:
+    """0 if access(2) grants ``mode`` on ``path``, else its errno (EACCES: the permission bits; EROFS or
+    EPERM: a read-only or immutable file system). os.access says only yes or no."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    access = libc.access
+    access.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    access.restype = ctypes.c_int
+    return 0 if access(os.fsencode(path), mode) == 0 else ctypes.get_errno()
 
 
 #: An abstract socket name has at most 107 bytes after its leading NUL.

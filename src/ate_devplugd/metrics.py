@@ -2,8 +2,10 @@
 
 node_exporter's textfile collector publishes them (``textfile.TextfileWriter`` writes the file); the
 daemon opens no port. Every call here is made from the daemon's one asyncio loop: plain attribute
-updates, no locks. ``on_change`` is called after each call that changed a value (a counter always
-changes; a gauge set to the value it has does not), so an idle daemon causes no write.
+updates, no locks. ``on_change(prompt)`` is called after each call that changed a value (a counter always
+changes; a gauge set to the value it has does not), so an idle daemon causes no write; ``prompt`` is
+True for a change of state (a resource's gauges, the runtime's verdict, the series present), which the
+file then shows sooner than a count.
 
 Series exist per configured resource, from ``add_resource`` until ``remove_resource``. Calls naming a
 resource that is not (or no longer) there are ignored, so a late callback from a stopped server
@@ -110,7 +112,7 @@ _COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
 class Metrics:
     """The daemon's metrics: per-resource state and counters, rendered on demand."""
 
-    def __init__(self, version: str = __version__, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(self, version: str = __version__, on_change: Callable[[bool], None] | None = None) -> None:
         self.version = version
         self.on_change = on_change
         self._resources: dict[str, _Resource] = {}
@@ -121,9 +123,10 @@ class Metrics:
         self._runtime_cdi: tuple[CdiVerdict, str] | None = None
         self._sources: list[MetricSource] = []
 
-    def _changed(self) -> None:
+    def _changed(self, prompt: bool = False) -> None:
+        """A value changed; ``prompt`` for a change of state (not a count), which the file shows sooner."""
         if self.on_change is not None:
-            self.on_change()
+            self.on_change(prompt)
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -134,12 +137,12 @@ class Metrics:
         """Create the resource's series (all zero); no-op if it has them."""
         if resource not in self._resources:
             self._resources[resource] = _Resource()
-            self._changed()
+            self._changed(prompt=True)
 
     def remove_resource(self, resource: str) -> None:
         """Drop every series of a resource that left the config."""
         if self._resources.pop(resource, None) is not None:
-            self._changed()
+            self._changed(prompt=True)
 
     def add_source(self, source: MetricSource) -> None:
         """Render ``source``'s series after ours; its changes count as ours (``on_change``)."""
@@ -159,20 +162,20 @@ class Metrics:
             r.health_transitions += 1
         r.present, r.healthy, r.advertised_units = new
         r.looked = True
-        self._changed()
+        self._changed(prompt=True)
 
     def set_registered(self, resource: str, registered: bool) -> None:
         r = self._resources.get(resource)
         if r is not None and r.registered != registered:
             r.registered = registered
-            self._changed()
+            self._changed(prompt=True)
 
     def set_streams(self, resource: str, streams: int) -> None:
         """How many ListAndWatch streams kubelet has open on the resource's current server."""
         r = self._resources.get(resource)
         if r is not None and r.streams != streams:
             r.streams = streams
-            self._changed()
+            self._changed(prompt=True)
 
     # -- counters ----------------------------------------------------------------------------------
     def registration(self, resource: str) -> None:
@@ -218,7 +221,7 @@ class Metrics:
         new = None if verdict is None else (verdict, runtime)
         if new != self._runtime_cdi:
             self._runtime_cdi = new
-            self._changed()
+            self._changed(prompt=True)
 
     # -- exposition ---------------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -4,9 +4,12 @@
 after a quiet interval is written ``FIRST_DELAY`` later (10 ms): a device that goes away shows at the
 next scrape, every change of the same moment lands in that one write, and the write never comes
 between the change and what kubelet is told of it (a ListAndWatch message, an Allocate answer, which
-the loop sends first). Later changes wait until ``interval`` has passed since the last write, so a
-burst is written at most about once per interval, ending with the final state. Nothing is armed while
-nothing changes: an idle daemon neither writes nor wakes for metrics.
+the loop sends first). Later counter changes wait until ``interval`` has passed since the last write,
+so a burst of Allocates is written at most about once per interval, ending with the final state. A
+change of *state* (``prompt``: registered, streams, health, the runtime's verdict) waits only
+``PROMPT_INTERVAL`` since the last write: the file says what the daemon says (STATUS) within a tenth of
+a second, not a second later, and a flapping device still costs at most ten writes a second. Nothing
+is armed while nothing changes: an idle daemon neither writes nor wakes for metrics.
 
 A write renders the metrics, writes them to a hidden temp file in the same directory (not ``*.prom``,
 so the collector ignores it), makes it mode 0644 whatever the umask (node_exporter runs as another
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 INTERVAL = 1.0
 #: Delay of the first write after a quiet interval (see the module doc).
 FIRST_DELAY = 0.01
+#: Minimum seconds between a write and the next one that carries a change of state.
+PROMPT_INTERVAL = 0.1
 FILE_MODE = 0o644
 _MISSING_DIR = (errno.ENOENT, errno.ENOTDIR)
 
@@ -53,7 +58,7 @@ class TextfileWriter:
         #: Files written (renames done) since construction.
         self.writes = 0
         self._dirty = bool(path)
-        self._handle: asyncio.Handle | None = None
+        self._handle: asyncio.TimerHandle | None = None
         self._last_write: float | None = None
         self._written_path = ""
 
@@ -67,13 +72,21 @@ class TextfileWriter:
         if self.enabled:
             self.changed()
 
-    def changed(self) -> None:
-        """Something in the metrics changed: write it soon, coalesced with what follows."""
+    def changed(self, prompt: bool = False) -> None:
+        """Something in the metrics changed (``prompt``: a change of state): write it soon, coalesced with
+        what follows."""
         self._dirty = True
-        if not self.enabled or self._handle is not None:
+        if not self.enabled:
             return
-        wait = 0.0 if self._last_write is None else self._last_write + self.interval - time.monotonic()
-        self._handle = asyncio.get_running_loop().call_later(max(wait, FIRST_DELAY), self._scheduled)
+        gap = min(PROMPT_INTERVAL, self.interval) if prompt else self.interval
+        wait = 0.0 if self._last_write is None else self._last_write + gap - time.monotonic()
+        loop = asyncio.get_running_loop()
+        due = loop.time() + max(wait, FIRST_DELAY)
+        if self._handle is not None:
+            if self._handle.when() <= due:
+                return
+            self._handle.cancel()
+        self._handle = loop.call_at(due, self._scheduled)
 
     def _scheduled(self) -> None:
         self._handle = None

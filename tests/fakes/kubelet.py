@@ -16,6 +16,9 @@
   until the plugin registers again;
 - ``restart()`` is a kubelet killed and started again: the old ``kubelet.sock`` stays behind, dead, until
   the new kubelet's wipe removes it; ``graceful=True`` removes it at the stop instead;
+- the pod-resources API beside the directory (``<dir>/../pod-resources/kubelet.sock``, as kubelet serves it
+  under its root directory): ``GetAllocatableResources`` lists the current clients' Healthy device IDs,
+  as kubelet's ``GetAllocatableDevices`` does (none for a resource once disconnected);
 - ``lean=True`` (the benchmark) keeps each ListAndWatch message as bytes and only counts the units,
   so recording costs next to nothing.
 
@@ -49,6 +52,8 @@ try:
 except ImportError:  # run from a source checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     from ate_devplugd._pb import api_pb2, api_pb2_grpc
+from ate_devplugd._pb.podresources.v1 import api_pb2 as pr_pb2
+from ate_devplugd._pb.podresources.v1 import api_pb2_grpc as pr_grpc
 
 KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT = "kubelet_internal_checkpoint"
@@ -130,6 +135,23 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
 WipeOrder = str | Callable[[list[str]], list[str]]
 
 
+class _PodResources(pr_grpc.PodResourcesListerServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self._kubelet = kubelet
+
+    async def GetAllocatableResources(
+        self, request: pr_pb2.AllocatableResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> pr_pb2.AllocatableResourcesResponse:
+        # one entry per device, as kubelet answers
+        response = pr_pb2.AllocatableResourcesResponse()
+        for resource, endpoint in self._kubelet.endpoints.items():
+            if endpoint.streaming and endpoint.latest is not None:
+                for device in endpoint.latest.devices:
+                    if device.health == "Healthy":
+                        response.devices.add(resource_name=resource, device_ids=[device.ID])
+        return response
+
+
 class FakeKubelet:
     """kubelet's device manager on ``directory``; ``wipe=False`` leaves plugin sockets alone (bench floors)."""
 
@@ -162,6 +184,7 @@ class FakeKubelet:
         #: Called when a Register arrives, before anything else (a test's look at that moment).
         self.on_register: Any = None
         self._server: grpc.aio.Server | None = None
+        self._pod_resources: grpc.aio.Server | None = None
         self._log = log
         # One number per kubelet "process": a Register still being handled when this fake restarts
         # belongs to a kubelet that is gone, and must leave nothing behind in the new one.
@@ -170,6 +193,10 @@ class FakeKubelet:
     @property
     def socket_path(self) -> Path:
         return self.dir / KUBELET_SOCKET
+
+    @property
+    def pod_resources_path(self) -> Path:
+        return self.dir.parent / "pod-resources" / KUBELET_SOCKET
 
     def _record(self, ev: Event) -> None:
         self.history.append(ev)
@@ -231,10 +258,27 @@ class FakeKubelet:
         await server.start()
         self._server = server
         self._record(Event("listening"))
+        if not self.lean:
+            await self._serve_pod_resources()
+
+    async def _serve_pod_resources(self) -> None:
+        """The pod-resources API, where the directory's parent lets it be (a kubelet root of the test's)."""
+        try:
+            self.pod_resources_path.parent.mkdir(mode=0o750, exist_ok=True)
+            server = grpc.aio.server()
+            pr_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), server)
+            server.add_insecure_port("unix://" + str(self.pod_resources_path))
+        except (OSError, RuntimeError):
+            return
+        await server.start()
+        self._pod_resources = server
 
     async def stop(self, *, graceful: bool = True) -> None:
         """Stop serving; ``graceful=False`` leaves the dead ``kubelet.sock`` behind, as a killed kubelet does."""
         self._stopping = True
+        pod_resources, self._pod_resources = self._pod_resources, None
+        if pod_resources is not None:
+            await pod_resources.stop(None)
         server, self._server = self._server, None
         if server is not None:
             await server.stop(None)

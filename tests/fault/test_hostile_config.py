@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -400,8 +401,9 @@ BAD_RELOADS = [
 
 
 async def test_sighup_with_bad_config_keeps_the_old(tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-    """Each bad file then SIGHUP: RELOADING=1, READY=1 again, the error logged with its field, the same
-    socket still registered (no new Register), Allocate still answered; nothing leaked."""
+    """Each bad file then SIGHUP: RELOADING=1, READY=1 again, the error logged with its field and the
+    first one at the end of STATUS, the same socket still registered (no new Register), Allocate still
+    answered; nothing leaked."""
     kubelet = await started_kubelet(plugin_dir)
     notify = NotifyReceiver(tmp_path / "notify")
     cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
@@ -419,7 +421,9 @@ async def test_sighup_with_bad_config_keeps_the_old(tmp_path: Path, plugin_dir: 
                 await proc.signal(signal.SIGHUP)
                 await notify.wait_for(lambda f: "RELOADING" in f)
                 ready = await notify.wait_for(lambda f: "READY" in f)
-                assert ready["STATUS"] == "ate.dev/kvm: 4096/4096 healthy, registered", ready
+                kept, refused = ready["STATUS"].split(" | reload refused ")
+                assert kept == "ate.dev/kvm: 4096/4096 healthy, registered", ready
+                assert re.fullmatch(r"\d\d:\d\d:\d\d: .+", refused) and field in refused, ready
                 new_log = proc.log()[log_before:]
                 assert "reload-failed" in new_log and field in new_log, new_log
                 assert os.lstat(plugin_dir / SOCKET).st_ino == identity

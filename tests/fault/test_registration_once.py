@@ -92,35 +92,47 @@ def figures(label: str, latencies: list[float]) -> str:
     return f"{label}: {len(ordered)} restarts, re-registered p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms"
 
 
-@pytest.mark.parametrize("order", list(ORDERS))
-@pytest.mark.budget(300)
-@pytest.mark.parametrize("machine", ["idle", "overcommit"])
-async def test_each_wipe_order(tmp_path: Path, plugin_dir: Path, dev_root: Path, order: str, machine: str) -> None:
-    """Each wipe order, other plugins' sockets in the directory: exactly one Register per kubelet."""
-    restarts = scale(12, 100)
-    kubelet = FakeKubelet(plugin_dir, wipe_order=ORDERS[order], seed=f"{order}/{machine}")
-    other_plugins(plugin_dir)
+async def restarts_each_registered_once(
+    tmp_path: Path, kubelet: FakeKubelet, dev_root: Path, *, restarts: int, machine: str, label: str
+) -> None:
+    """The daemon with ``kubelet`` restarted ``restarts`` times (other plugins' sockets in the directory),
+    each restart waited out: exactly one Register per kubelet, never a double one, nothing disconnected,
+    every loss of our socket a kubelet restart. Prints the re-registration figures."""
+    other_plugins(kubelet.dir)
     await kubelet.start()
-    cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+    cfg = write_config(tmp_path / "c.toml", kubelet.dir, dev_root)
     try:
         with load(machine) as how:
             async with daemon(cfg) as proc:
                 await settled(kubelet)
                 latencies = []
                 for _ in range(restarts):
-                    other_plugins(plugin_dir)
+                    other_plugins(kubelet.dir)
                     await kubelet.restart()
                     latencies.append(await registered_after_restart(kubelet))
+                    harm = [e for e in kubelet.history if e.kind in ("double-register", "disconnected")]
+                    assert not harm, (harm, proc.log()[-4000:])
                 await settled(kubelet)
-                print(figures(f"wipe order {order}, {how}", latencies))
-                assert registrations(kubelet) == restarts + 1, proc.log()
+                print(figures(f"{label}, {how}", latencies))
+                print(f"registrations: {registrations(kubelet)} for {restarts + 1} kubelets; double: 0")
+                assert registrations(kubelet) == restarts + 1, proc.log()[-4000:]
                 assert_one_current_registration(kubelet)
-                assert not [e for e in kubelet.history if e.kind == "disconnected"], proc.log()
                 log = proc.log()
                 daemon_log_clean(log)
                 assert "event=socket-removed" not in log and "event=reregister" not in log, log
     finally:
         await kubelet.stop()
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.budget(300)
+@pytest.mark.parametrize("machine", ["idle", "overcommit"])
+async def test_each_wipe_order(tmp_path: Path, plugin_dir: Path, dev_root: Path, order: str, machine: str) -> None:
+    """Each wipe order, other plugins' sockets in the directory: exactly one Register per kubelet."""
+    kubelet = FakeKubelet(plugin_dir, wipe_order=ORDERS[order], seed=f"{order}/{machine}")
+    await restarts_each_registered_once(
+        tmp_path, kubelet, dev_root, restarts=scale(12, 100), machine=machine, label=f"wipe order {order}"
+    )
 
 
 @pytest.mark.budget(1500)
@@ -130,28 +142,9 @@ async def test_random_restarts(tmp_path: Path, plugin_dir: Path, dev_root: Path,
     in the directory: never a second Register for one kubelet (ATE_RESTARTS sets the count)."""
     restarts = int(os.environ.get("ATE_RESTARTS") or scale(100, 1000))
     kubelet = FakeKubelet(plugin_dir, seed=f"{tmp_path.name}/{machine}", jitter=0.004)
-    other_plugins(plugin_dir)
-    await kubelet.start()
-    cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
-    try:
-        with load(machine) as how:
-            async with daemon(cfg) as proc:
-                await settled(kubelet)
-                latencies = []
-                for _ in range(restarts):
-                    other_plugins(plugin_dir)
-                    await kubelet.restart()
-                    latencies.append(await registered_after_restart(kubelet))
-                    doubles = [e for e in kubelet.history if e.kind in ("double-register", "disconnected")]
-                    assert not doubles, (doubles, proc.log()[-4000:])
-                await settled(kubelet)
-                print(figures(f"random wipe orders, {how}", latencies))
-                print(f"registrations: {registrations(kubelet)} for {restarts + 1} kubelets; double: 0")
-                assert registrations(kubelet) == restarts + 1
-                assert_one_current_registration(kubelet)
-                daemon_log_clean(proc.log())
-    finally:
-        await kubelet.stop()
+    await restarts_each_registered_once(
+        tmp_path, kubelet, dev_root, restarts=restarts, machine=machine, label="random wipe orders"
+    )
 
 
 async def test_new_kubelet_bound_between_look_and_connect(

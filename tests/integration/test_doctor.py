@@ -10,9 +10,10 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 
-from ate_devplugd import cli
+from ate_devplugd import cli, session
 from ate_devplugd.config import Config, DeviceConfig, render
 from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
 from ate_devplugd.doctor import render as render_text
@@ -70,10 +71,6 @@ class TestAllRight:
         try:
             async with daemon_in_process(config, kernel):
                 await kubelet.next_event("list")
-                prom = Path(config.metrics_file)
-                await wait_for_content(prom, 'ate_devplugd_registered{resource="ate.dev/kvm"} 1')
-                # the file may be written between the registration and kubelet's ListAndWatch (issue 24, 3)
-                await wait_for_content(prom, 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1')
                 findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: str(binary)))
         finally:
             await kubelet.stop()
@@ -100,10 +97,81 @@ class TestAllRight:
         assert checks["access ate.dev/kvm"].message.startswith("host 0660 ")
         assert "containers get 0666 through CDI" in checks["access ate.dev/kvm"].message
         assert checks["daemon"].message == f"running (pid {os.getpid()})"
+        assert checks["registered ate.dev/kvm"].message == "kubelet offers 4096 units of it (its pod-resources API)"
         assert checks["runtime"].message == f"containerd 1.7.24~ds1 at {tmp_path / 'runtime.sock'}"
         assert checks["runtime cdi"].message == f"containerd 1.7.24~ds1 applies CDI (reads {config.cdi_dir})"
         assert checks["kubelet version"].message == "v1.31.2: passes CDI names to the runtime"
         assert all(line.startswith("OK    ") for line in text.splitlines())
+
+
+class TestRegistration:
+    """Whether kubelet holds the resource is kubelet's word (its pod-resources API), not the daemon's file."""
+
+    async def test_without_metrics_right_after_registration(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A default install without node_exporter (no metrics file), doctor run as soon as kubelet has the
+        first list: OK from kubelet's own answer; and doctor's own ListAndWatch call is not taken by the
+        daemon for kubelet's (no stream-ended, STATUS still registered)."""
+        config, path = node_config(tmp_path, plugin_dir, fake_root, metrics_file="")
+        host_node(fake_root)
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel) as running:
+                await kubelet.next_event("list")
+                findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: None))
+                registered = by_check(findings)["registered ate.dev/kvm"]
+                assert (registered.level, registered.message) == (
+                    Level.OK,
+                    "kubelet offers 4096 units of it (its pod-resources API)",
+                )
+                assert not running.events.named("stream-ended"), running.events.text()
+                assert running.daemon.status_line().startswith("ate.dev/kvm: 4096/4096 healthy, registered | cdi:")
+        finally:
+            await kubelet.stop()
+
+    async def test_kubelet_offering_none(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """kubelet disconnected the resource (its connection to the plugin broke): FAIL with kubelet's own
+        count, whatever the daemon's metrics file still says (the daemon's re-registration held off)."""
+        monkeypatch.setattr(session, "STREAM_GRACE", 600.0)
+        config, path = node_config(tmp_path, plugin_dir, fake_root)
+        host_node(fake_root)
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel):
+                await kubelet.next_event("list")
+                await kubelet.cut(kubelet.endpoints["ate.dev/kvm"])
+                await kubelet.next_event("disconnected")
+                findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: None))
+                registered = by_check(findings)["registered ate.dev/kvm"]
+                assert (registered.level, registered.message) == (
+                    Level.FAIL,
+                    "kubelet offers no unit of it (its pod-resources API)",
+                )
+        finally:
+            await kubelet.stop()
+
+    async def test_no_pod_resources_api(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """No pod-resources socket (an old kubelet): the daemon's metrics file, and why kubelet was not asked."""
+        config, path = node_config(tmp_path, plugin_dir, fake_root)
+        host_node(fake_root)
+        kubelet = await started_kubelet(plugin_dir)
+        kubelet.pod_resources_path.unlink()
+        try:
+            async with daemon_in_process(config, kernel):
+                await kubelet.next_event("list")
+                await wait_for_content(
+                    Path(config.metrics_file), 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1\n'
+                )
+                findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: None))
+                registered = by_check(findings)["registered ate.dev/kvm"]
+                assert (registered.level, registered.message) == (Level.OK, "kubelet holds its registration")
+        finally:
+            await kubelet.stop()
 
 
 class TestFailures:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ate_devplugd import config as configmod
-from ate_devplugd.config import Config
+from ate_devplugd.config import Config, DeviceConfig
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.kernel import UdevKernelView
 from tests.fakes.dra_kubelet import WIPING_DELAY
@@ -85,6 +85,29 @@ class TestDraMode:
             claim = node.claim("vm-1")
             response = await node.kubelet.prepare(DRIVER, claim)
             assert list(response.claims[claim[1]].devices[0].cdi_device_ids) == ["ate.dev/kvm=kvm2"]
+
+    async def test_reload_that_adds_a_resource_is_refused_whole(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """DRA mode publishes the resources it started with: a reload that adds one and moves another to
+        another node is refused as a whole, in one line, so the moved resource's spec stays as it was;
+        STATUS ends with the refusal."""
+        kernel.add_node(fake_root / "dev" / "kvm2", (10, 233))
+        kernel.names[(10, 233)] = "/dev/kvm2"
+        new: list[Config] = []
+        async with dra_node(kernel, fake_root, reload_config=lambda: new[0]) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("slice published")
+            moved = dataclasses.replace(node.config.devices[0], path="/dev/kvm2")
+            added = DeviceConfig("ate.dev/vhost-net", "/dev/vhost-net", cdi=True)
+            new.append(dataclasses.replace(node.config, devices=(moved, added)))
+            node.running.daemon.request_reload()
+            record = await node.running.events.wait_for("reload-failed")
+            line = "DRA mode's set of resources changes only on restart (adding ate.dev/vhost-net), so nothing"
+            line += " of this reload was applied"
+            assert record.getMessage() == line
+            assert node.running.daemon.status_line().split(" | reload refused ")[1].endswith(line)
+            spec = json.loads((Path(node.config.cdi_dir) / "ate.dev-kvm.json").read_text())
+            assert [d["name"] for d in spec["devices"]] == ["kvm"]
+            assert not node.running.events.named("reload")
 
     async def test_kubelet_restart_republishes(self, fake_root: Path, kernel: FakeKernel) -> None:
         """kubelet's start deletes the node's slices: the daemon publishes again within a second."""

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,10 @@ from typing import Any
 import grpc
 import pytest
 
+from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
 from tests.fakes.kubelet import FakeKubelet
-from tests.fault.harness import full_tmpfs, read_only_bind
+from tests.fault.harness import LOADED_WAIT, full_tmpfs, read_only_bind
 from tests.support import (
     RESOURCE,
     SOCKET,
@@ -31,9 +33,14 @@ from tests.support import (
     NotifyReceiver,
     daemon_in_process,
     kvm_config,
+    run_cli,
     started_kubelet,
+    subprocess_env,
     wait_for_path,
+    write_config,
 )
+
+KVM_COUNT_0 = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 0\n'
 
 
 def registrations(kubelet: FakeKubelet) -> int:
@@ -134,7 +141,7 @@ class TestKubeletRestart:
                 for _ in range(lives):
                     arrived.clear()
                     await kubelet.restart()
-                    async with asyncio.timeout(10):
+                    async with asyncio.timeout(LOADED_WAIT):
                         await arrived.wait()
                 kubelet.register_delay = 0.0
                 await kubelet.restart()
@@ -266,6 +273,135 @@ class TestReload:
                 assert registrations(kubelet) == 1
         finally:
             await kubelet.stop()
+
+    async def test_refused_reload_stays_in_status_until_a_good_one(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """After a refused reload STATUS (sent with READY=1) ends with `reload refused HH:MM:SS: <first
+        error>`, and stops saying so at the next good reload. The copy of the running config kept for
+        `probe` changes only with the good one, and goes at the stop."""
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        current: list[Config | ConfigError] = [config]
+
+        def reload() -> Config:
+            if isinstance(current[0], ConfigError):
+                raise current[0]
+            return current[0]
+
+        kept_copy = tmp_path / "run" / "running-config.toml"
+        kept_copy.parent.mkdir()
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(
+                config, kernel, reload_config=reload, notify=notify.path, running_config=kept_copy
+            ) as running:
+                await notify.wait_for(lambda f: f.get("STATUS") == "ate.dev/kvm: 8/8 healthy, registered")
+                assert configmod.load(kept_copy) == config
+                first = "device[0] (ate.dev/kvm): count: 0 must be an integer from 1 to 65536"
+                current[0] = ConfigError([first, "unknown key 'bogus'"])
+                running.daemon.request_reload()
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                kept, refused = ready["STATUS"].split(" | reload refused ")
+                assert kept == "ate.dev/kvm: 8/8 healthy, registered"
+                assert re.fullmatch(r"\d\d:\d\d:\d\d: " + re.escape(first), refused), ready
+                assert configmod.load(kept_copy) == config
+                current[0] = kvm_config(plugin_dir, fake_root, count=4)
+                running.daemon.request_reload()
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"] == "ate.dev/kvm: 4/4 healthy, registered", ready
+                assert configmod.load(kept_copy) == current[0]
+            assert not kept_copy.exists()
+        finally:
+            await kubelet.stop()
+            await notify.close()
+
+    async def test_mode_change_is_refused_whole(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Device-plugin mode running, a file with `mode = "dra"` and another count: one line names the
+        restart-only keys and nothing is applied. CDI stays off (DRA mode reads every device as a CDI one),
+        the count stays, kubelet sees nothing new, and STATUS says the reload was refused."""
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        path = write_config(
+            tmp_path / "c.toml",
+            plugin_dir,
+            fake_root,
+            'mode = "dra"\n[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 4\n',
+        )
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(
+                config, kernel, reload_config=lambda: configmod.load(path), notify=notify.path
+            ) as running:
+                await kubelet.next_event("list")
+                await notify.wait_for(lambda f: "READY" in f)
+                running.daemon.request_reload()
+                record = await running.events.wait_for("reload-failed")
+                line = "mode = 'dra' (running: 'device-plugin'), [dra] added: change only on restart"
+                assert record.getMessage().startswith(line) and record.levelno == logging.ERROR
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"].split(" | reload refused ")[1].split(": ", 1)[1].startswith(line), ready
+                assert running.daemon.config == config
+                (cresp,) = (await kubelet.allocate(RESOURCE, ["kvm-7"])).container_responses
+                assert not cresp.cdi_devices
+                assert not (tmp_path / "cdi" / "ate.dev-kvm.json").exists()
+                assert [e.kind for e in kubelet.history if e.kind in ("register", "list")] == ["register", "list"]
+                assert not running.events.named("reload")
+                assert len(running.events.named("reload-failed")) == 1
+        finally:
+            await kubelet.stop()
+            await notify.close()
+
+    async def test_what_check_config_refuses_is_refused(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A device path that is a directory on this host: check-config refuses it (and so fails the unit's
+        reload), and so does the reload itself, instead of applying a file `systemctl reload` reports
+        as failed."""
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        (fake_root / "dev" / "shm").mkdir()
+        moved = dataclasses.replace(config, devices=(dataclasses.replace(config.devices[0], path="/dev/shm"),))
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(config, kernel, reload_config=lambda: moved) as running:
+                await kubelet.next_event("list")
+                running.daemon.request_reload()
+                record = await running.events.wait_for("reload-failed")
+                assert record.getMessage() == (
+                    "config error, keeping the running config: device[0] (ate.dev/kvm): path: '/dev/shm' is a "
+                    "directory; path names a device node, e.g. '/dev/kvm'"
+                )
+                assert running.daemon.config == config
+                assert " | reload refused " in running.daemon.status_line()
+                await kubelet.allocate(RESOURCE, ["kvm-7"])
+        finally:
+            await kubelet.stop()
+
+    async def test_probe_uses_the_running_config_when_the_file_is_broken(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """`probe` on a config file that does not parse queries the running daemon with the config it runs
+        (its copy in the runtime directory) and says so, naming the file and its first error; with no
+        running daemon's copy it is a config error (78), as before."""
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        broken = write_config(tmp_path / "c.toml", plugin_dir, fake_root, KVM_COUNT_0)
+        env = subprocess_env(RUNTIME_DIRECTORY=str(run_dir))
+        status, _, err = await run_cli("probe", "--config", str(broken), env=env)
+        assert status == 78 and "count" in err, err
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        async with daemon_in_process(config, kernel, running_config=run_dir / "running-config.toml") as running:
+            await running.events.wait_for("ready")
+            status, out, err = await run_cli("probe", "--config", str(broken), "--timeout", "3", env=env)
+            assert status == 0, (out, err)
+            assert err.startswith(
+                f"ate-devplugd: probing with the running daemon's config from {run_dir}/running-config.toml; "
+                f"{broken} does not parse: device[0] (ate.dev/kvm): count:"
+            ), err
+            (row,) = [line for line in out.splitlines() if line.startswith(RESOURCE)]
+            assert "8/8" in row.split(), out
 
 
 class TestHotplug:

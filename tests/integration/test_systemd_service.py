@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from ate_devplugd import config as configmod
 from tests.fakes.kubelet import FakeKubelet
 from tests.support import NotifyReceiver, daemon, subprocess_env, wait_for_content, wait_for_path, write_config
 
 VHOST = '[[device]]\nresource = "ate.dev/tun"\npath = "/dev/net/tun"\ncount = {count}\n'
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = {count}\n'
+UNIT = Path(__file__).resolve().parents[2] / "packaging" / "ate-devplugd.service"
 
 
 def null_node(root: Path) -> None:
@@ -185,7 +187,8 @@ class TestReload:
             await kubelet.stop()
 
     async def test_bad_config_keeps_the_old(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-        """A broken config on SIGHUP is logged field by field; nothing changes."""
+        """A broken config on SIGHUP is logged field by field; nothing changes but STATUS, which ends with
+        the first error."""
         kubelet = FakeKubelet(plugin_dir)
         await kubelet.start()
         notify = NotifyReceiver(tmp_path / "notify")
@@ -197,7 +200,9 @@ class TestReload:
                 await proc.signal(signal.SIGHUP)
                 await notify.wait_for(lambda f: "RELOADING" in f)
                 ready = await notify.wait_for(lambda f: "READY" in f)
-                assert ready["STATUS"] == "ate.dev/kvm: 4096/4096 healthy, registered"
+                kept, refused = ready["STATUS"].split(" | reload refused ")
+                assert kept == "ate.dev/kvm: 4096/4096 healthy, registered"
+                assert re.fullmatch(r"\d\d:\d\d:\d\d: device\[0\] \(ate.dev/kvm\): unknown key 'bogus'", refused), ready
                 log = proc.log()
                 assert "count: 0" in log and "unknown key 'bogus'" in log and "keeping the running config" in log
                 assert len([e for e in kubelet.history if e.kind == "register"]) == 1
@@ -280,3 +285,22 @@ class TestThreads:
                 assert after.count(pool) <= before.count(pool) + 1, (before, after)
         finally:
             await kubelet.stop()
+
+
+class TestUnitFile:
+    def test_reload_signals_then_checks_the_file(self) -> None:
+        """ExecReload sends SIGHUP first (the daemon refuses a bad file itself and says so in STATUS),
+        then runs check-config (a bad file fails the reload job, its errors logged as the daemon's); the
+        runtime directory is the one `probe` reads the running config from."""
+        directives: dict[str, list[str]] = {}
+        for line in UNIT.read_text().splitlines():
+            if re.match(r"[A-Za-z]+=", line):
+                key, value = line.split("=", 1)
+                directives.setdefault(key, []).append(value)
+        assert directives["ExecReload"] == [
+            "/bin/kill -HUP $MAINPID",
+            "/bin/sh -c 'exec /usr/bin/ate-devplugd check-config >/dev/null'",
+        ]
+        assert directives["SyslogIdentifier"] == ["ate-devplugd"]
+        assert ["/run/" + directives["RuntimeDirectory"][0]] == [configmod.DEFAULT_RUNTIME_DIR]
+        assert configmod.running_config_path({}).startswith(configmod.DEFAULT_RUNTIME_DIR + "/")

@@ -231,6 +231,43 @@ assert "enable_cdi = true" in checks["runtime cdi"]["remedy"]
 check "ate-devplugd doctor --json: daemon, socket and registration OK; the runtime FAILs (exit 1)" doctor_says
 systemctl stop fake-runtime.service 2>/dev/null
 
+# A broken config: the unit's ExecReload signals the daemon, which refuses it (STATUS ends with "reload
+# refused HH:MM:SS: <first error>"), then runs check-config, so `systemctl reload` itself fails; the
+# error is in `systemctl status`. probe meanwhile uses the config the daemon runs, from its runtime
+# directory. A good reload afterwards clears the refusal from STATUS.
+reload_refused() {
+    local pid c out rc=0 status
+    pid=$(prop MainPID); c=$(cursor)
+    cp -a "$conf" /run/config.toml.good
+    set_count 0
+    if out=$(systemctl reload "$unit" 2>&1); then
+        say "systemctl reload succeeded with count = 0"; rc=1
+    fi
+    say "systemctl reload (count = 0): $out"
+    printf '%s' "$out" | grep -qF "$unit failed" || { say "systemctl did not say the job failed"; rc=1; }
+    journal_record --after-cursor "$c" --timeout 30 ATE_EVENT=reload-failed >/dev/null || rc=1
+    wait_for 30 sh -c "journalctl -u $unit --after-cursor '$c' -o cat | grep -q '^ate-devplugd: config error: .*count: 0 must be'" ||
+        { say "check-config's error is not in the unit's journal"; rc=1; }
+    wait_for 30 sh -c "systemctl show -P StatusText $unit | grep -q ' | reload refused [0-9][0-9]:[0-9][0-9]:[0-9][0-9]: .*count: 0 must be'" ||
+        { say "STATUS does not say the reload was refused: $(prop StatusText)"; rc=1; }
+    status=$(systemctl status --no-pager --full -n 20 "$unit" 2>&1)
+    printf '%s\n' "$status" >&2
+    printf '%s' "$status" | grep -q '^ *Status: ".* | reload refused .*count: 0 must be' || rc=1
+    printf '%s' "$status" | grep -q 'ate-devplugd: config error: .*count: 0 must be' || rc=1
+    out=$(ate-devplugd probe 2>&1 >/run/probe.out)
+    say "probe on the broken file: $out"; cat /run/probe.out >&2
+    printf '%s' "$out" | grep -qF "probing with the running daemon's config from /run/ate-devplugd/running-config.toml; $conf does not parse: " ||
+        rc=1
+    awk '$1 == "ate.dev/kvm" && $3 ~ /\/8$/ { found = 1 } END { exit !found }' /run/probe.out || rc=1
+    is_running && expect_prop MainPID "$pid" || rc=1
+    cp -a /run/config.toml.good "$conf"
+    systemctl reload "$unit" || { say "the good config's reload failed"; rc=1; }
+    wait_for 30 sh -c "! systemctl show -P StatusText $unit | grep -q 'reload refused'" ||
+        { say "STATUS still says refused after a good reload: $(prop StatusText)"; rc=1; }
+    return "$rc"
+}
+check "broken config: systemctl reload fails with the error in systemctl status, STATUS says refused, probe uses the running config" reload_refused
+
 # ---- kubelet restart -----------------------------------------------------------------------------
 kubelet_restart() {
     local pid t

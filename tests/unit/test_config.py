@@ -219,3 +219,39 @@ class TestTomlValue:
         """A file mode is shown in octal, as written; a key not given is "unset", never None."""
         assert device_config.toml_value(0o1777, octal=True) == "0o1777"
         assert device_config.toml_value(None) == "unset"
+
+
+class TestRestartOnly:
+    def test_device_tables_and_other_keys_reload(self) -> None:
+        """Devices, log level, CDI and metrics settings are a reload's to change: nothing to refuse."""
+        running = config.parse(KVM)
+        new = config.parse('log_level = "debug"\ncdi_dir = "/run/other-cdi"\nmetrics_file = ""\n' + KVM + "count = 8\n")
+        assert config.restart_only_change(running, new) is None
+
+    def test_mode_switch_names_the_key_and_both_values(self) -> None:
+        """device-plugin -> dra: one line with the new and the running value as TOML, and the [dra] table
+        that came with it."""
+        running = config.parse(KVM)
+        new = config.parse('mode = "dra"\n' + KVM)
+        assert config.restart_only_change(running, new) == (
+            "mode = 'dra' (running: 'device-plugin'), [dra] added: change only on restart, "
+            "so nothing of this reload was applied"
+        )
+
+    @pytest.mark.parametrize(
+        ("before", "after", "named"),
+        [
+            ('plugin_dir = "/a"\n', 'plugin_dir = "/b"\n', "plugin_dir = '/b' (running: '/a')"),
+            ('[dra]\nnode_name = "n1"\n', '[dra]\nnode_name = "n2"\n', "[dra] changed"),
+            ('[dra]\nnode_name = "n1"\n', "", "[dra] removed"),
+        ],
+    )
+    def test_each_restart_only_key(self, before: str, after: str, named: str) -> None:
+        """plugin_dir and the [dra] table (even in device-plugin mode, where it is only checked)."""
+        line = config.restart_only_change(config.parse(before + KVM), config.parse(after + KVM))
+        assert line == f"{named}: changes only on restart, so nothing of this reload was applied"
+
+    def test_running_config_path(self) -> None:
+        """In $RUNTIME_DIRECTORY (its first entry) under systemd; /run/ate-devplugd otherwise."""
+        assert config.running_config_path({}) == "/run/ate-devplugd/running-config.toml"
+        assert config.running_config_path({"RUNTIME_DIRECTORY": "/run/x:/run/y"}) == "/run/x/running-config.toml"

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 from pathlib import Path
 
-from ate_devplugd.lock import InstanceLock, lock_name
+import pytest
+
+from ate_devplugd.lock import InstanceLock, NoPermissionError, lock_name, make_plugin_dir
+from tests.fault.harness import read_only_bind
 
 
 async def test_refused_starts_never_wear_the_lock_out(tmp_path: Path) -> None:
@@ -47,3 +52,30 @@ def test_name_is_the_directory_or_a_digest_of_a_long_one(tmp_path: Path) -> None
     names = [lock_name(path) for path in deep]
     assert all(name.startswith(b"\0ate-devplugd/sha256:") and len(name) <= 108 for name in names)
     assert names[0] != names[1]
+
+
+class TestMakePluginDir:
+    def test_made_0750(self, tmp_path: Path) -> None:
+        """A missing directory is made with kubelet's mode, its parents too."""
+        make_plugin_dir(str(tmp_path / "a" / "device-plugins"))
+        assert (tmp_path / "a" / "device-plugins").stat().st_mode & 0o777 == 0o750
+
+    def test_read_only_is_waited_for_not_refused(self, tmp_path: Path) -> None:
+        """A read-only file system may be writable later (a remount): no error, the sessions wait."""
+        if os.geteuid() != 0:
+            pytest.skip("a read-only bind mount needs root")
+        (tmp_path / "device-plugins").mkdir()
+        with read_only_bind(tmp_path / "device-plugins"):
+            make_plugin_dir(str(tmp_path / "device-plugins"))
+            make_plugin_dir(str(tmp_path / "device-plugins" / "sub"))
+
+    def test_permission_bits_refuse_a_user_that_is_not_root(self, tmp_path: Path) -> None:
+        """Permission denied does not pass by itself: NoPermissionError, naming the directory."""
+        if os.geteuid() == 0:
+            pytest.skip("root passes the permission bits (tests/integration/test_not_root.py drops root)")
+        (tmp_path / "device-plugins").mkdir(mode=0o555)
+        plugin_dir = tmp_path / "device-plugins"
+        with pytest.raises(NoPermissionError, match=re.escape(f"cannot write {plugin_dir}: permission denied")):
+            make_plugin_dir(str(plugin_dir))
+        with pytest.raises(NoPermissionError, match=re.escape(f"cannot create {plugin_dir}/sub: permission denied")):
+            make_plugin_dir(str(tmp_path / "device-plugins" / "sub"))

@@ -29,7 +29,7 @@ from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.prepare import ClaimProblem
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Family, Metrics, MetricType, exposition
 from ate_devplugd.runtime_cdi import CdiVerdict
-from ate_devplugd.textfile import TextfileWriter
+from ate_devplugd.textfile import PROMPT_INTERVAL, TextfileWriter
 from tests.prometheus_tools import watching
 from tests.support import subprocess_env
 
@@ -182,7 +182,7 @@ class TestMetrics:
     def test_on_change_only_when_a_value_changed(self) -> None:
         """Setting a gauge to the value it has is no change; every counter increment is one."""
         calls: list[None] = []
-        metrics = Metrics(on_change=lambda: calls.append(None))
+        metrics = Metrics(on_change=lambda prompt: calls.append(None))
         metrics.add_resource(KVM)
         metrics.add_resource(KVM)
         assert len(calls) == 1
@@ -199,7 +199,7 @@ class TestMetrics:
     def test_removed_resource_stays_gone(self) -> None:
         """After remove_resource its series are gone, and late calls for it neither return them nor notify."""
         calls: list[None] = []
-        metrics = Metrics(on_change=lambda: calls.append(None))
+        metrics = Metrics(on_change=lambda prompt: calls.append(None))
         metrics.add_resource(KVM)
         metrics.add_resource(VHOST)
         metrics.remove_resource(VHOST)
@@ -394,8 +394,26 @@ class TestTextfileWriter:
             assert value(metrics, "ate_devplugd_allocations_total", resource=KVM) == 1000
             assert path.read_bytes() == metrics.render()
             print(f"1,000-change burst over {burst * 1000:.1f} ms: {events.renames} write(s)")
-            # the first change after FIRST_DELAY, the rest once the interval is over
-            assert 1 <= events.renames == writer.writes <= 2 + burst / writer.interval
+            # the first change after FIRST_DELAY; the streams (state) at most once per PROMPT_INTERVAL after
+            assert 1 <= events.renames == writer.writes <= 2 + burst / PROMPT_INTERVAL
+
+    async def test_a_change_of_state_is_written_within_the_prompt_interval(self, tmp_path: Path) -> None:
+        """Right after a write, a count waits for the interval, a change of state only PROMPT_INTERVAL."""
+        path = tmp_path / "m.prom"
+        with watching(tmp_path, path.name) as events:
+            metrics, writer = make_writer(path, interval=5.0)
+            writer.start()
+            await events.renamed()
+            loop = asyncio.get_running_loop()
+            metrics.allocation(KVM)  # a count: would wait the 5 s interval
+            changed_at = loop.time()
+            metrics.set_streams(KVM, 1)  # a state: carries the count with it
+            await events.renamed()
+            waited = loop.time() - changed_at
+            print(f"a change of state written {waited * 1000:.0f} ms after it (prompt interval {PROMPT_INTERVAL} s)")
+            assert waited < 2.0, waited
+            assert value(metrics, "ate_devplugd_listandwatch_streams", resource=KVM) == 1
+            assert path.read_bytes() == metrics.render()
 
     async def test_spread_burst_is_written_about_once_per_interval(self, tmp_path: Path) -> None:
         """Changes arriving for 1.5 s without a pause are written at most once per interval, plus the edges."""

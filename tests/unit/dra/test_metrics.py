@@ -89,7 +89,7 @@ class TestDraMetrics:
         """The file is written after DRA's events as after the daemon's (one on_change each)."""
         calls: list[None] = []
         shared, dra = rendered()
-        shared.on_change = lambda: calls.append(None)
+        shared.on_change = lambda prompt: calls.append(None)
         dra.claim_failed(ClaimProblem.NOT_FOUND)
         dra.claims_unprepared(2)
         dra.claims_unprepared(0)  # nothing changed
