@@ -116,10 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
 
     manifests = command("dra-manifests")
-    manifests.add_argument(
+    which = manifests.add_mutually_exclusive_group()
+    which.add_argument(
         "--kubelet-credentials",
         action="store_true",
         help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses only, no RBAC or policy",
+    )
+    which.add_argument(
+        "--stage",
+        choices=("policy", "grant"),
+        help="print one stage: 'policy' (DeviceClasses, service account, admission policy), then, once the "
+        "policy is in force, 'grant' (the RBAC it confines)",
     )
     return parser
 
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "probe":
         return _probe(cfg, args.timeout)
     if args.command == "dra-manifests":
-        return _dra_manifests(cfg, with_access=not args.kubelet_credentials)
+        return _dra_manifests(cfg, with_access=not args.kubelet_credentials, stage=args.stage)
     return _run(cfg, args, early)
 
 
@@ -236,12 +243,12 @@ def _running_config(broken: ConfigError, config: str | None, plugin_dir: str | N
     return cfg
 
 
-def _dra_manifests(cfg: configmod.Config, *, with_access: bool) -> int:
+def _dra_manifests(cfg: configmod.Config, *, with_access: bool, stage: str | None = None) -> int:
     from ate_devplugd.dra import config as dra_config  # noqa: PLC0415 - PyYAML only for this command
     from ate_devplugd.dra import manifests  # noqa: PLC0415
 
     dra = cfg.dra or dra_config.from_mapping(None)[0]
-    text = manifests.render(dra, [dev.resource for dev in cfg.devices], with_access=with_access)
+    text = manifests.render(dra, [dev.resource for dev in cfg.devices], with_access=with_access, stage=stage)
     sys.stdout.write(text)
     return os.EX_OK
 

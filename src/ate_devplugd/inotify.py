@@ -1,8 +1,9 @@
 """A small inotify watch on one directory, on the asyncio loop (no thread, no polling).
 
-It reports names created or removed in the directory, and follows the directory itself: if it is
-removed, the nearest existing ancestor is watched until the directory is back, and the owner is told
-both times. Events are hints: the owner re-reads the state it cares about.
+It reports names created or removed in the directory (and, if asked, files written and closed), and
+follows the directory itself: if it is removed, the nearest existing ancestor is watched until the
+directory is back, and the owner is told both times. Events are hints: the owner re-reads the state it
+cares about.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
+IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
 IN_CREATE = 0x00000100
@@ -43,8 +45,9 @@ _EVENT = struct.Struct("iIII")
 class DirEvent:
     """Something happened in or to the watched directory.
 
-    ``kind`` is ``created`` or ``removed`` (with ``name``), ``dir-gone``, ``dir-back`` or ``overflow``
-    (events were lost: re-read everything).
+    ``kind`` is ``created``, ``removed`` or ``written`` (with ``name``; ``written``: a file opened for
+    writing was closed, reported only to a watcher made with ``contents=True``), ``dir-gone``,
+    ``dir-back`` or ``overflow`` (events were lost: re-read everything).
     """
 
     kind: str
@@ -76,11 +79,13 @@ def _lib() -> _Libc:
 
 
 class DirWatcher:
-    """Watch ``path`` for entries created and removed; call ``callback`` with each batch of events."""
+    """Watch ``path`` for entries created and removed (and written, with ``contents``); call ``callback``
+    with each batch of events."""
 
-    def __init__(self, path: str, callback: Callable[[list[DirEvent]], None]) -> None:
+    def __init__(self, path: str, callback: Callable[[list[DirEvent]], None], *, contents: bool = False) -> None:
         self.path = posixpath.normpath(path)
         self._callback = callback
+        self._mask = _DIR_MASK | (IN_CLOSE_WRITE if contents else 0)
         self._fd = -1
         self._wd = -1
         self._ancestor_wd = -1
@@ -121,7 +126,7 @@ class DirWatcher:
             _lib().rm_watch(self._fd, self._ancestor_wd)
             self._ancestor_wd = -1
         try:
-            self._wd = self._add(self.path, _DIR_MASK)
+            self._wd = self._add(self.path, self._mask)
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
                 raise
@@ -176,6 +181,8 @@ class DirWatcher:
                         events.append(DirEvent("created", name))
                     elif mask & (IN_DELETE | IN_MOVED_FROM):
                         events.append(DirEvent("removed", name))
+                    elif mask & IN_CLOSE_WRITE:
+                        events.append(DirEvent("written", name))
                 elif wd == self._ancestor_wd:
                     rearm = True
         if rearm and not self.watching:

@@ -12,8 +12,13 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   DeviceClass: 403); ``forbid_after_create = N`` answers 403 to the next N get, update or delete of a
   slice just created (the authorizer's graph lags behind its own watch). ``service_account_token`` is
   the driver's service account with a token bound to this node, judged by RBAC over the ClusterRoles and
-  bindings an administrator created here (none: 403 for everything); its slice writes are kept to this
-  node, as the admission policy of ``dra-manifests`` keeps them;
+  bindings an administrator created here (none: 403 for everything); once a ValidatingAdmissionPolicy
+  and a binding of it (Deny) are in force, its slice writes (create, update, delete) are kept to the
+  node its token is bound to, as the policy of ``dra-manifests`` keeps them (the fake does not evaluate
+  CEL: a bound policy stands for that one), refused as the apiserver refuses them (422 Invalid,
+  ``ValidatingAdmissionPolicy '<p>' with binding '<b>' denied request: ...``); ``policy_lag = True``:
+  a policy created or replaced is in force only after ``refresh_policies()`` (the apiserver's policy
+  source refreshes at most once a second, while an RBAC grant works at once: contract §9);
 - ``consumable_capacity = False``: the DRAConsumableCapacity gate is off and ``allowMultipleAllocations``
   is dropped silently (§4b);
 - ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2); ``wipe_driver()``:
@@ -29,9 +34,20 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
 - objects sent are validated as the apiserver would (422 Invalid, names per kind: see apivalidation),
   and, where the ``kubernetes`` PyPI client is installed (the venv), against its v1 models: a field the
   real API does not know fails;
+- node-bound service-account tokens (``mint_token()``, as ``kubectl create token --bound-object-kind
+  Node`` makes them): none can be made for a Node that does not exist (``nodes "<node>" not found``), and
+  one stops authenticating (401) once its Node is deleted or created again (a new uid), or once
+  ``expire_token()`` says its time is up (the token authenticator checks the bound object's uid and the
+  expiry at every request);
 - ``hold_creates()``: slice creates wait until ``release_creates()`` (to put an event between a
   deletion and the republish); ``stop()`` then ``start()`` again serves the same port and the same store
-  (an API server outage).
+  (an API server outage);
+- an API server that has just started answers before its informers have synced (seen on 1.36.2, and
+  the contract's §9): ``authenticators_ready = False`` answers 401 to service-account tokens (the token
+  authenticator looks up a bound token's ServiceAccount and Node in its informers); ``authorizers_ready =
+  False`` gives RBAC no binding yet (the service account: 403) and the Node authorizer an empty graph (a
+  node's get, update and delete of a slice and its get of a claim: 403; what NodeRestriction and the
+  selector rules decide without the graph, creates and list/watch and its own Node, still pass).
 """
 
 from __future__ import annotations
@@ -122,6 +138,15 @@ class FakeApiServer:
         self.pki = pki
         self.consumable_capacity = True
         self.forbid_after_create = 0
+        self.authenticators_ready = True
+        self.authorizers_ready = True
+        #: Node-bound service-account tokens: token -> (node name, the Node's uid when it was minted).
+        self.bound_tokens: dict[str, tuple[str, str]] = {}
+        #: Answers 401 (credentials refused or not known yet), as they were given.
+        self.unauthorized_answers = 0
+        self.policy_lag = False
+        #: The admission policies and bindings in force: (kind, namespace, name) -> object.
+        self._policies: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
@@ -158,6 +183,38 @@ class FakeApiServer:
         uid = self.nodes[name]["metadata"]["uid"]
         self._record("nodes", "DELETED", self.nodes.pop(name))
         self._collect_garbage(uid)
+
+    def mint_token(self, node: str | None = None) -> str:
+        """A service-account token bound to Node ``node`` (this one by default), as ``kubectl create token
+        --bound-object-kind Node`` makes it; ValueError if that Node does not exist."""
+        name = self.node_name if node is None else node
+        if name not in self.nodes:
+            raise ValueError(f'nodes "{name}" not found')
+        token = "sa." + uuid.uuid4().hex
+        self.bound_tokens[token] = (name, self.nodes[name]["metadata"]["uid"])
+        return token
+
+    def refresh_policies(self) -> None:
+        """The apiserver's policy source refreshes: the policies and bindings stored now are in force."""
+        kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+        self._policies = {key: copy.deepcopy(obj) for key, obj in self.objects.items() if key[0] in kinds}
+
+    def _policy_in_force(self) -> tuple[str, str] | None:
+        """(policy, binding) of a policy bound with Deny and in force, if any."""
+        for (kind, _, name), binding in self._policies.items():
+            spec = binding.get("spec") or {}
+            policy = spec.get("policyName", "")
+            if (
+                kind == "ValidatingAdmissionPolicyBinding"
+                and ("ValidatingAdmissionPolicy", "", policy) in self._policies
+                and "Deny" in (spec.get("validationActions") or [])
+            ):
+                return policy, name
+        return None
+
+    def expire_token(self, token: str) -> None:
+        """The token's expiry passed: it authenticates no more."""
+        self.bound_tokens.pop(token, None)
 
     def hold_creates(self) -> None:
         """Slice creates wait (their request arrived) until ``release_creates()``."""
@@ -312,6 +369,8 @@ class FakeApiServer:
         except Problem as p:
             if p.code == 403:
                 self.forbidden_answers += 1
+            if p.code == 401:
+                self.unauthorized_answers += 1
             return web.json_response(status(p.code, p.reason, p.message), status=p.code)
 
     async def _route(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911 - one return per route
@@ -320,6 +379,7 @@ class FakeApiServer:
         if self.admin_token is not None and bearer == f"Bearer {self.admin_token}":
             return await self._admin(request)
         caller = self._authorize(request, bearer)
+        token_node = self._token_node(bearer)
         if path.startswith(NODES) and method == "GET":
             return await self._nodes(request, caller)
         if m := re.fullmatch(r"/apis/resource.k8s.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)", path):
@@ -327,30 +387,39 @@ class FakeApiServer:
         if path.startswith(COLLECTIONS["DeviceClass"]) and method == "GET":
             return self._device_classes(path)
         if path == SLICES and method == "POST":
-            return web.json_response(await self._create(await self._body(request), caller), status=201)
+            body = await self._body(request)
+            return web.json_response(await self._create(body, caller, token_node), status=201)
         if path == SLICES and method == "GET":
             selector = self._selector(request.query.get("fieldSelector", ""), caller)
             if request.query.get("watch") in ("1", "true"):
                 return await self._watch(request, "resourceslices", selector)
             return web.json_response(self._list("ResourceSliceList", self.slices.values(), selector))
         if m := re.fullmatch(SLICES + r"/([^/]+)", path):
-            name = m[1]
-            if self._forbidden.get(name, 0) > 0:
-                self._forbidden[name] -= 1
-                raise Problem(
-                    403,
-                    "Forbidden",
-                    f"node '{self.node_name}' cannot {method} resourceslice {name}: "
-                    "no relationship to this object was found in the node authorizer graph",
-                )
-            if method == "GET":
-                return web.json_response(self._get(self.slices, name, "resourceslices.resource.k8s.io"))
-            if method == "PUT":
-                return web.json_response(self._update(name, await self._body(request), caller))
-            if method == "DELETE":
-                self._get(self.slices, name, "resourceslices.resource.k8s.io")
-                return web.json_response(self._delete(name))
+            return await self._slice(request, m[1], caller, token_node)
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
+
+    async def _slice(self, request: web.Request, name: str, caller: Caller, token_node: str) -> web.StreamResponse:
+        """GET, PUT or DELETE of one slice."""
+        method = request.method
+        if self._forbidden.get(name, 0) > 0:
+            self._forbidden[name] -= 1
+            raise Problem(
+                403,
+                "Forbidden",
+                f"node '{self.node_name}' cannot {method} resourceslice {name}: "
+                "no relationship to this object was found in the node authorizer graph",
+            )
+        if method == "GET":
+            return web.json_response(self._get(self.slices, name, "resourceslices.resource.k8s.io"))
+        if method == "PUT":
+            body = await self._body(request)
+            return web.json_response(self._update(name, body, caller, token_node))
+        if method == "DELETE":
+            old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
+            if caller is Caller.SERVICE_ACCOUNT:
+                self._confine(old, token_node)
+            return web.json_response(self._delete(name))
+        raise Problem(405, "MethodNotAllowed", f"{method} is not supported here")
 
     def _device_classes(self, path: str) -> web.StreamResponse:
         """List or get the DeviceClasses an administrator created."""
@@ -363,11 +432,19 @@ class FakeApiServer:
     def _authorize(self, request: web.Request, bearer: str | None) -> Caller:
         """Who the request is from, and whether that credential may make it (``apiauthz``); the Node
         authorizer's rules for the resources it judges itself are applied by the handlers."""
-        if self.service_account_token is not None and bearer == f"Bearer {self.service_account_token}":
+        token = bearer.removeprefix("Bearer ") if bearer else ""
+        if token in self.bound_tokens:
+            name, uid = self.bound_tokens[token]
+            if self.nodes.get(name, {}).get("metadata", {}).get("uid") != uid:  # its Node is gone, or new
+                raise Problem(401, "Unauthorized", "Unauthorized")
+            caller = Caller.SERVICE_ACCOUNT
+        elif self.service_account_token is not None and bearer == f"Bearer {self.service_account_token}":
             caller = Caller.SERVICE_ACCOUNT
         elif self.token is None or bearer == f"Bearer {self.token}":
             caller = Caller.NODE
         else:
+            raise Problem(401, "Unauthorized", "Unauthorized")
+        if caller is Caller.SERVICE_ACCOUNT and not self.authenticators_ready:
             raise Problem(401, "Unauthorized", "Unauthorized")
         attrs = apiauthz.attributes(request.method, request.path, request.query)
         if attrs is None:
@@ -376,11 +453,16 @@ class FakeApiServer:
             namespace, name = self.service_account
             user = f"system:serviceaccount:{namespace}:{name}"
             groups = ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"]
-            if not apiauthz.rbac_allows(self.objects, user, groups, attrs):
+            rbac = self.objects if self.authorizers_ready else {}
+            if not apiauthz.rbac_allows(rbac, user, groups, attrs):
                 raise Problem(403, "Forbidden", apiauthz.forbidden_message(user, attrs))
             return caller
         judged = apiauthz.node_authorizer_judges(attrs)
-        if judged and (attrs.group, attrs.resource.split("/")[0]) not in _NODE_HANDLED:  # no graph: nothing is related
+        graph_needed = attrs.verb in ("get", "update", "patch", "delete") and attrs.resource.split("/")[0] != "nodes"
+        if judged and (
+            (attrs.group, attrs.resource.split("/")[0]) not in _NODE_HANDLED  # no graph: nothing is related
+            or (graph_needed and not self.authorizers_ready)  # its graph is empty until its informers sync
+        ):
             raise Problem(403, "Forbidden", f"no relationship found between node '{self.node_name}' and this object")
         if not judged and not apiauthz.node_rules_allow(attrs):
             raise Problem(403, "Forbidden", apiauthz.forbidden_message(f"system:node:{self.node_name}", attrs))
@@ -447,6 +529,8 @@ class FakeApiServer:
         obj["metadata"]["uid"] = self.objects[key]["metadata"]["uid"] if key in self.objects else str(uuid.uuid4())
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
         self.objects[key] = obj
+        if not self.policy_lag:
+            self.refresh_policies()
         return copy.deepcopy(obj)
 
     @staticmethod
@@ -474,10 +558,15 @@ class FakeApiServer:
             )
         return selector
 
-    async def _create(self, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
+    def _token_node(self, bearer: str | None) -> str:
+        """The node a service-account token is bound to (the static one: this node)."""
+        token = bearer.removeprefix("Bearer ") if bearer else ""
+        return self.bound_tokens[token][0] if token in self.bound_tokens else self.node_name
+
+    async def _create(self, body: dict[str, Any], caller: Caller, token_node: str) -> dict[str, Any]:
         if self._creates_open is not None:
             await self._creates_open.wait()
-        obj = self._admit(body, None, caller)
+        obj = self._admit(body, None, caller, token_node)
         meta = obj["metadata"]
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = generated_name(meta["generateName"], uuid.uuid4().hex[:5])
@@ -493,9 +582,9 @@ class FakeApiServer:
         self._record("resourceslices", "ADDED", obj)
         return copy.deepcopy(obj)
 
-    def _update(self, name: str, body: dict[str, Any], caller: Caller) -> dict[str, Any]:
+    def _update(self, name: str, body: dict[str, Any], caller: Caller, token_node: str) -> dict[str, Any]:
         old = self._get(self.slices, name, "resourceslices.resource.k8s.io")
-        obj = self._admit(body, old, caller)
+        obj = self._admit(body, old, caller, token_node)
         errors = validate_meta("ResourceSlice", obj)
         if obj["metadata"].get("name") != name:
             errors.append("metadata.name: Invalid value: field is immutable")
@@ -516,16 +605,35 @@ class FakeApiServer:
         self._record("resourceslices", "MODIFIED", obj)
         return copy.deepcopy(obj)
 
-    def _admit(self, body: dict[str, Any], old: dict[str, Any] | None, caller: Caller) -> dict[str, Any]:
+    def _confine(self, obj: dict[str, Any], token_node: str) -> None:
+        """The admission policy of ``dra-manifests``, once in force: a service account's token writes only
+        the slices of the node it is bound to."""
+        in_force = self._policy_in_force()
+        node = (obj.get("spec") or {}).get("nodeName", "")
+        if in_force is not None and node != token_node:
+            policy, binding = in_force
+            name = (obj.get("metadata") or {}).get("name", "")
+            raise Problem(
+                422,
+                "Invalid",
+                f'resourceslices.resource.k8s.io "{name}" is forbidden: ValidatingAdmissionPolicy '
+                f"'{policy}' with binding '{binding}' denied request: only ResourceSlices of node "
+                f"{token_node} may be written",
+            )
+
+    def _admit(
+        self, body: dict[str, Any], old: dict[str, Any] | None, caller: Caller, token_node: str
+    ) -> dict[str, Any]:
         """Validation, NodeRestriction (or, for the service account, the admission policy of
         ``dra-manifests``) and the dropping of fields whose feature gate is off."""
         errors = validate_slice(body, old)
         if errors:
             raise Problem(422, "Invalid", "ResourceSlice is invalid: " + "; ".join(errors))
-        if body["spec"].get("nodeName") != self.node_name:
-            if caller is Caller.SERVICE_ACCOUNT:
-                message = f"only ResourceSlices of node {self.node_name} may be written"
-                raise Problem(403, "Forbidden", f"admission policy denied request: {message}")
+        if caller is Caller.SERVICE_ACCOUNT:
+            self._confine(body, token_node)
+            if old is not None:
+                self._confine(old, token_node)
+        elif body["spec"].get("nodeName") != self.node_name:
             raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot create a ResourceSlice of another node")
         obj = copy.deepcopy(body)
         if not self.consumable_capacity:

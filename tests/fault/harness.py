@@ -178,6 +178,13 @@ def assert_one_current_registration(kubelet: FakeKubelet, healthy: int = 4096, t
     assert not doubles, doubles
 
 
+def around(text: str, marker: str, before: int = 60, after: int = 10) -> str:
+    """The lines of ``text`` around the first that holds ``marker`` (what a failed check shows)."""
+    lines = text.splitlines()
+    at = next((i for i, line in enumerate(lines) if marker in line), len(lines))
+    return "\n".join(lines[max(0, at - before) : at + after])
+
+
 def daemon_log_clean(text: str) -> None:
     """No crash, no unexpected-error path taken, no traceback at all (grpcio's stop noise included)."""
     for marker in ("Traceback", "session-error"):

@@ -9,14 +9,17 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ate_devplugd.config import Config
-from ate_devplugd.dra import kubeconfig
+from ate_devplugd.dra import kubeconfig, manifests
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.driver import DraDriver, DraStatus
 from ate_devplugd.dra.pools import DraResource
@@ -34,10 +37,14 @@ POOL = f"{NODE}/ate.dev/kvm"
 KVM = DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")
 
 
-def write_kubeconfig(path: Path, server: str, *, token: str | None = TOKEN, pki: Pki | None = None) -> Path:
+def write_kubeconfig(
+    path: Path, server: str, *, token: str | None = TOKEN, pki: Pki | None = None, token_file: str | None = None
+) -> Path:
     user: dict[str, str] = {}
     cluster: dict[str, str] = {"server": server}
-    if token:
+    if token_file:
+        user["tokenFile"] = token_file
+    elif token:
         user["token"] = token
     if pki is not None:
         cluster["certificate-authority"] = str(pki.ca)
@@ -53,6 +60,17 @@ def write_kubeconfig(path: Path, server: str, *, token: str | None = TOKEN, pki:
     }
     path.write_text(json.dumps(doc))  # JSON is YAML
     return path
+
+
+def write_token(path: Path, token: str, *, in_place: bool = False) -> None:
+    """A token file written as a renewal writes it: to a new file renamed into place (or, ``in_place``,
+    truncated and written)."""
+    if in_place:
+        path.write_text(token + "\n")
+        return
+    staging = path.with_name(f".{path.name}.new")
+    staging.write_text(token + "\n")
+    os.replace(staging, path)
 
 
 class Records(logging.Handler):
@@ -91,6 +109,8 @@ class Rig:
     driver: DraDriver
     statuses: asyncio.Queue[DraStatus]
     log: Records
+    #: The service account's token file (credentials="service-account"), which the kubeconfig names.
+    token_file: Path | None = None
 
     async def status(self, pred: Callable[[DraStatus], bool], timeout: float = 5.0) -> DraStatus:
         """The driver's status once ``pred`` holds (checked now, then on each change)."""
@@ -127,14 +147,25 @@ async def rig(
     load_credentials: Callable[[str], kubeconfig.Credentials] = kubeconfig.load,
     api_options: dict[str, Any] | None = None,
     backoff: tuple[float, float] = (0.01, 0.2),
+    credentials: str = "node",
     **dra: Any,
 ) -> AsyncIterator[Rig]:
+    """``credentials``: ``node`` (kubelet's, a static token here) or ``service-account`` (what
+    ``dra-manifests`` prints, applied by an administrator, and a token bound to the Node in a file the
+    kubeconfig names, as the README's renewal recipe writes it)."""
     async with short_dir() as base:
         api = FakeApiServer(NODE, token=TOKEN)
         for key, value in (api_options or {}).items():
             setattr(api, key, value)
         await api.start()
-        kc = write_kubeconfig(base / "kubeconfig", api.url)
+        token_file = None
+        if credentials == "service-account":
+            admin = DraConfig(node_name=NODE, **{k: v for k, v in dra.items() if k == "driver"})
+            text = manifests.render(admin, [r.name for r in resources])
+            api.create(*(doc for doc in yaml.safe_load_all(text) if doc is not None))
+            token_file = base / "token"
+            write_token(token_file, api.mint_token())
+        kc = write_kubeconfig(base / "kubeconfig", api.url, token_file=token_file and str(token_file))
         config = DraConfig(node_name=NODE, kubeconfig=str(kc), kubelet_dir=str(base / "kubelet"), **dra)
         statuses: asyncio.Queue[DraStatus] = asyncio.Queue()
         driver = DraDriver(
@@ -150,7 +181,7 @@ async def rig(
                 await kubelet.start()
             if start_driver:
                 await driver.start()
-            yield Rig(base, api, kubelet, config, driver, statuses, records)
+            yield Rig(base, api, kubelet, config, driver, statuses, records, token_file)
         finally:
             await driver.stop()
             await kubelet.stop()

@@ -18,7 +18,7 @@ from ate_devplugd.config import Config, DeviceConfig
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.kernel import UdevKernelView
 from tests.fakes.dra_kubelet import WIPING_DELAY
-from tests.integration.dra_rig import DRIVER, NODE, DraNode, dra_node, short_dir
+from tests.integration.dra_rig import DRIVER, NODE, DraNode, dra_node, short_dir, write_kubeconfig
 from tests.podman import Podman
 from tests.support import (
     FakeKernel,
@@ -117,6 +117,24 @@ class TestDraMode:
             assert deleted
             kind, obj = await node.api.next_change("ADDED", timeout=1.0)
             assert kind == "ADDED" and obj["spec"]["nodeName"] == NODE
+
+    async def test_refused_credentials_in_status_then_replaced_without_a_restart(
+        self, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """The API server stops accepting the daemon's token: STATUS says so with what to do, and one
+        warning; the kubeconfig written again with a new token is used at once, with no restart."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.status("slice published")
+            node.api.token = "n3w-t0ken"
+            node.api.end_watches()  # the session renews its watch, and is refused
+            status = await node.status("the API server refuses the credentials")
+            assert "401 Unauthorized" in status and "write a new one" in status, status
+            (refused,) = node.running.events.named("dra-credentials-refused")
+            assert refused.levelno == logging.WARNING
+            assert node.config.dra is not None
+            write_kubeconfig(Path(node.config.dra.kubeconfig), node.api.url, token="n3w-t0ken")
+            await node.status("slice published")
+            assert node.running.events.named("dra-credentials-changed")
 
     async def test_status_when_kubelet_registers_between_its_deletion_and_the_republish(
         self, fake_root: Path, kernel: FakeKernel

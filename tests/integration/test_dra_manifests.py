@@ -17,6 +17,7 @@ import yaml
 
 from ate_devplugd.dra import manifests
 from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.pools import DraResource, build_pools, new_slice
 from tests.fakes.apiserver import FakeApiServer, collection_path
 
 ADMIN = "admin-t0ken"
@@ -197,3 +198,69 @@ class TestWhoMayRead:
             assert code == 403 and "cannot create resource" in message, message
             code, message = await status_of(api.url, SA_TOKEN, "/api/v1/namespaces")
             assert code == 403 and 'User "system:serviceaccount:ate-devplugd:ate-devplugd" cannot list' in message
+
+
+def slice_of(node: str) -> dict[str, Any]:
+    """A ResourceSlice of ``node`` as the driver writes it (validated by the fake as the apiserver would)."""
+    config = DraConfig(node_name=node)
+    (pool,), _ = build_pools(config, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")])
+    return new_slice(config, pool, 1, True, "0d1e5e3a-0000-4000-8000-000000000000")
+
+
+async def write_slice(url: str, token: str, node: str) -> tuple[int, str]:
+    """A create of ``node``'s slice with ``token``: the status code and, for an error, the message."""
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    async with (
+        aiohttp.ClientSession(headers=headers) as session,
+        session.post(url + SLICES_OF_ANY_NODE, data=json.dumps(slice_of(node))) as got,
+    ):
+        body = await got.json()
+        return got.status, body.get("message", "") if got.status >= 300 else ""
+
+
+class TestInstallWithoutAWindow:
+    """The apiserver enforces a new admission policy only after its policy source refreshes (at most once
+    a second) while an RBAC grant works at once (contract §9); the fake holds a policy back until
+    ``refresh_policies()``. A token of node-1 tries to write node-2's slice."""
+
+    async def test_one_apply_leaves_a_window(self) -> None:
+        """Everything in one apply: until the policy is in force, node-1's token creates node-2's slice
+        (what was seen on 1.36.2); once it is, the policy refuses it as the apiserver does."""
+        async with api_server() as api:
+            api.policy_lag = True
+            api.add_node("node-2")
+            token = api.mint_token("node-1")
+            assert await apply(api.url, ADMIN, documents(manifests.render(CONFIG, RESOURCES))) == []
+            assert (await write_slice(api.url, token, "node-2"))[0] == 201
+            api.refresh_policies()
+            code, message = await write_slice(api.url, token, "node-2")
+            assert code == 422, message
+            assert (
+                "ValidatingAdmissionPolicy 'ate-devplugd.kvm.ate.dev' with binding 'ate-devplugd.kvm.ate.dev' "
+                "denied request: only ResourceSlices of node node-1 may be written"
+            ) in message
+
+    async def test_two_stages_leave_none(self) -> None:
+        """The policy stage, then (once the policy is in force) the grant stage: node-1's token never
+        writes node-2's slice, first for want of a grant (403), then by the policy (422); its own it may."""
+        async with api_server() as api:
+            api.policy_lag = True
+            api.add_node("node-2")
+            token = api.mint_token("node-1")
+            policy = documents(manifests.render(CONFIG, RESOURCES, stage="policy"))
+            assert await apply(api.url, ADMIN, policy) == []
+            assert (await write_slice(api.url, token, "node-2"))[0] == 403
+            api.refresh_policies()  # what the README's wait between the stages is for
+            assert await apply(api.url, ADMIN, documents(manifests.render(CONFIG, RESOURCES, stage="grant"))) == []
+            assert (await write_slice(api.url, token, "node-2"))[0] == 422
+            assert (await write_slice(api.url, token, "node-1"))[0] == 201
+
+    def test_the_stages_make_the_whole(self) -> None:
+        """Stage 1 then stage 2 is every object of the one-stream output, in its order; the grant is all
+        of stage 2 and none of stage 1."""
+        whole = documents(manifests.render(CONFIG, RESOURCES))
+        policy = documents(manifests.render(CONFIG, RESOURCES, stage="policy"))
+        grant = documents(manifests.render(CONFIG, RESOURCES, stage="grant"))
+        assert policy + grant == whole
+        assert {d["kind"] for d in grant} == {"ClusterRole", "ClusterRoleBinding"}
+        assert not {d["kind"] for d in policy} & {"ClusterRole", "ClusterRoleBinding"}

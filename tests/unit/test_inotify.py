@@ -83,6 +83,24 @@ class TestDirWatcher:
         finally:
             watch.close()
 
+    async def test_files_written_only_when_asked(self, tmp_path: Path) -> None:
+        """A file written in place is reported (``written``) by a watcher made with ``contents=True``;
+        a plain watcher hears only its creation."""
+        (tmp_path / "token").write_text("old")
+        plain, contents = Collector(), Collector()
+        watches = [DirWatcher(str(tmp_path), plain), DirWatcher(str(tmp_path), contents, contents=True)]
+        for watch in watches:
+            watch.start()
+        try:
+            (tmp_path / "token").write_text("new")
+            await contents.until(DirEvent("written", "token"))
+            (tmp_path / "marker").write_text("")
+            seen = await plain.until(DirEvent("created", "marker"))
+            assert DirEvent("written", "token") not in seen
+        finally:
+            for watch in watches:
+                watch.close()
+
     async def test_close_twice(self, tmp_path: Path) -> None:
         """close() is idempotent."""
         watch = DirWatcher(str(tmp_path), Collector())

@@ -8,6 +8,10 @@ driver's registration is the daemon's to say (its metrics, read by ``doctor.regi
 kubelet's own credentials may not read DeviceClasses (neither the Node authorizer nor any default RBAC
 binding grants a node that); the service account of ``dra-manifests`` may. With kubelet's, the
 DeviceClass check is one WARN that says so and gives the command an administrator runs instead.
+
+Credentials the API server does not accept (401) are a FAIL that says what to do: a token expired, or
+bound to a Node that was deleted or created again, is replaced by a new one (the README's recipe); a
+client certificate that expired points at kubelet's certificate rotation.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
 APPLY = "ate-devplugd dra-manifests --kubelet-credentials | kubectl apply -f -"
 #: What an administrator runs where these credentials may not look: each DeviceClass and the resource it maps.
 LIST_CLASSES = "kubectl get deviceclass -o custom-columns=NAME:.metadata.name,RESOURCE:.spec.extendedResourceName"
+#: What to do about a token the API server refuses: mint one bound to this node (README, DRA mode, Credentials).
+MINT = (
+    "mint a new node-bound token and write it to the kubeconfig's tokenFile: kubectl create token ate-devplugd "
+    "-n ate-devplugd --bound-object-kind Node --bound-object-name {node} --duration 24h "
+    "(README: Credentials for DRA mode; the daemon picks it up without a restart)"
+)
+RENEW_CERTIFICATE = "kubelet's client certificate: check its rotation (/var/lib/kubelet/pki) and the kubeconfig"
 
 
 async def findings(cfg: Config, dra: DraConfig, timeout: float) -> list[Finding]:
@@ -53,6 +64,8 @@ async def _examine(client: ApiClient, cfg: Config, dra: DraConfig) -> list[Findi
             fail("apiserver", f"{server} cannot be reached: {exc}", "IPAddressAllow= in dra-mode.conf; the network")
         ]
     except ApiError as exc:
+        if ApiErrorKind.of_status(exc.status) is ApiErrorKind.UNAUTHORIZED:
+            return [_unauthorized(client, dra, exc)]
         return [fail("apiserver", f"{server} refuses these credentials: {exc}", f"check {dra.kubeconfig}")]
     out = [ok("apiserver", f"{server} answers with {dra.kubeconfig}")]
     classes: dict[str, Any] | None
@@ -82,6 +95,22 @@ async def _examine(client: ApiClient, cfg: Config, dra: DraConfig) -> list[Findi
         else:
             out.append(fail(check, f"{name} holds no device (the device is absent)", "see the device line"))
     return out
+
+
+def _unauthorized(client: ApiClient, dra: DraConfig, exc: ApiError) -> Finding:
+    server = client.credentials.server
+    if client.credentials.token:
+        return fail(
+            "apiserver",
+            f"{server} does not accept the token of {dra.kubeconfig} ({exc}): it expired, or the Node it is "
+            "bound to was deleted or created again",
+            MINT.format(node=dra.node_name),
+        )
+    return fail(
+        "apiserver",
+        f"{server} does not accept the credentials of {dra.kubeconfig} ({exc}): an expired client certificate?",
+        RENEW_CERTIFICATE,
+    )
 
 
 def _classes_refused(exc: ApiError) -> Finding:

@@ -127,9 +127,7 @@ class DraDriver:
             metrics=self.metrics,
         )
         self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False), self.kubelet_changed)
-        self.preparer = Preparer(
-            config.driver, pools, lambda: self.publisher.client, self.publisher.present, self.metrics
-        )
+        self.preparer = Preparer(config.driver, pools, self.publisher.files, self.publisher.present, self.metrics)
         self._plugin = UnixServer(config.plugin_socket, self._add_plugin_services)
         self._registration = UnixServer(config.registration_socket, self._add_registration_service)
         self._publisher_task: asyncio.Task[None] | None = None
@@ -208,6 +206,7 @@ class DraDriver:
                 await task
         await self._registration.stop()
         await self._plugin.stop()
+        await self.preparer.close()
         if self._follower is not None:
             self._follower.close()
         self.kubelet = KubeletState.STOPPED

@@ -4,6 +4,10 @@ The slice publisher reads it once per session, so again at every retry and every
 kubelet rotates its client certificate in place, and an administrator may fix a broken file while
 the daemon keeps retrying. Certificates given inline (``*-data``) are handed to OpenSSL through
 memfds, never written to disk.
+
+Every file read for a kubeconfig (the kubeconfig itself, its token file, certificates and keys) is
+listed with a digest of the bytes read (``Credentials.sources``, ``KubeconfigError.sources``), so that
+``credentials.CredentialFiles`` can tell when any of them changed since.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
 import os
 import posixpath
 import ssl
@@ -23,8 +28,17 @@ import yaml
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+#: A file read for the credentials and the digest of what was read (None: it could not be read).
+Source = tuple[str, "str | None"]
+
+
 class KubeconfigError(Exception):
     """The kubeconfig cannot be used; the message names the file and the field."""
+
+    def __init__(self, message: str, sources: tuple[Source, ...] = ()) -> None:
+        super().__init__(message)
+        #: The files read before the error (the one that could not be read among them).
+        self.sources = sources
 
 
 @dataclass(frozen=True)
@@ -34,13 +48,60 @@ class Credentials:
     server: str
     ssl_context: ssl.SSLContext | None
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: The files these credentials were read from, each with the digest of the bytes read.
+    sources: tuple[Source, ...] = ()
+
+    @property
+    def token(self) -> bool:
+        """Whether a bearer token authenticates (else a client certificate, or nothing)."""
+        return "Authorization" in self.headers
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_digest(path: str) -> str | None:
+    """The digest of ``path``'s bytes now, or None if it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            return digest(fh.read())
+    except OSError:
+        return None
+
+
+class _Files:
+    """Reads the files of one kubeconfig, keeping each one's digest."""
+
+    def __init__(self) -> None:
+        self.read: dict[str, str | None] = {}
+
+    def bytes(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError:
+            self.read[path] = None
+            raise
+        self.read[path] = digest(data)
+        return data
+
+    def sources(self) -> tuple[Source, ...]:
+        return tuple(self.read.items())
 
 
 def load(path: str) -> Credentials:
     """Parse ``path`` into Credentials; raises KubeconfigError with one clear line."""
+    files = _Files()
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        return _load(path, files)
+    except KubeconfigError as exc:
+        raise KubeconfigError(str(exc), files.sources()) from None
+
+
+def _load(path: str, files: _Files) -> Credentials:
+    try:
+        text = files.bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise KubeconfigError(f"{path}: cannot read: {exc}") from None
     try:
@@ -49,7 +110,7 @@ def load(path: str) -> Credentials:
         raise KubeconfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(doc, dict):
         raise KubeconfigError(f"{path}: not a kubeconfig (expected a mapping at the top)")
-    return _credentials(path, doc)
+    return _credentials(path, doc, files)
 
 
 def _named(path: str, doc: Mapping[str, Any], kind: str, name: str) -> Mapping[str, Any]:
@@ -71,7 +132,7 @@ def _context_name(path: str, doc: Mapping[str, Any]) -> str:
     raise KubeconfigError(f"{path}: current-context is not set")
 
 
-def _credentials(path: str, doc: Mapping[str, Any]) -> Credentials:
+def _credentials(path: str, doc: Mapping[str, Any], files: _Files) -> Credentials:
     context = _named(path, doc, "context", _context_name(path, doc))
     cluster = _named(path, doc, "cluster", str(context.get("cluster", "")))
     user = _named(path, doc, "user", str(context.get("user", ""))) if context.get("user") else {}
@@ -84,12 +145,12 @@ def _credentials(path: str, doc: Mapping[str, Any]) -> Credentials:
     if "tls-server-name" in cluster:
         raise KubeconfigError(f"{path}: cluster tls-server-name: not supported")
     base = posixpath.dirname(posixpath.abspath(path))
-    headers = _auth_headers(path, base, user)
+    headers = _auth_headers(path, base, user, files)
     if server.startswith("http://"):
-        return Credentials(server.rstrip("/"), None, headers)
-    context_ssl = _server_trust(path, base, cluster)
-    cert = _pem(path, base, user, "client-certificate")
-    key = _pem(path, base, user, "client-key")
+        return Credentials(server.rstrip("/"), None, headers, files.sources())
+    context_ssl = _server_trust(path, base, cluster, files)
+    cert = _pem(path, base, user, "client-certificate", files)
+    key = _pem(path, base, user, "client-key", files)
     if (cert is None) != (key is None):
         raise KubeconfigError(f"{path}: user: client-certificate and client-key must be given together")
     if cert is not None and key is not None:
@@ -98,10 +159,10 @@ def _credentials(path: str, doc: Mapping[str, Any]) -> Credentials:
                 context_ssl.load_cert_chain(cert_path, key_path)
             except ssl.SSLError as exc:
                 raise KubeconfigError(f"{path}: user: client certificate or key unusable ({exc.reason})") from None
-    return Credentials(server.rstrip("/"), context_ssl, headers)
+    return Credentials(server.rstrip("/"), context_ssl, headers, files.sources())
 
 
-def _server_trust(path: str, base: str, cluster: Mapping[str, Any]) -> ssl.SSLContext:
+def _server_trust(path: str, base: str, cluster: Mapping[str, Any], files: _Files) -> ssl.SSLContext:
     """The TLS context toward the API server: the kubeconfig's CA alone when it names one (as client-go
     trusts it), the system's CAs only when it names none. Given ``cadata``, create_default_context keeps
     the runtime's default checks and loads that CA only, not the system's store (~20 ms on the loop)."""
@@ -110,7 +171,7 @@ def _server_trust(path: str, base: str, cluster: Mapping[str, Any]) -> ssl.SSLCo
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         return context
-    ca = _pem(path, base, cluster, "certificate-authority")
+    ca = _pem(path, base, cluster, "certificate-authority", files)
     if ca is None:
         return ssl.create_default_context()
     text = ca.decode("ascii", "replace")
@@ -122,13 +183,12 @@ def _server_trust(path: str, base: str, cluster: Mapping[str, Any]) -> ssl.SSLCo
         raise KubeconfigError(f"{path}: certificate-authority: not a PEM certificate ({exc.reason})") from None
 
 
-def _auth_headers(path: str, base: str, user: Mapping[str, Any]) -> dict[str, str]:
+def _auth_headers(path: str, base: str, user: Mapping[str, Any], files: _Files) -> dict[str, str]:
     token = user.get("token")
     if "tokenFile" in user and not token:
         token_path = posixpath.join(base, str(user["tokenFile"]))
         try:
-            with open(token_path, encoding="utf-8") as fh:
-                token = fh.read().strip()
+            token = files.bytes(token_path).decode("utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise KubeconfigError(f"{path}: user tokenFile: cannot read {token_path}: {exc}") from None
     if token is None:
@@ -138,7 +198,7 @@ def _auth_headers(path: str, base: str, user: Mapping[str, Any]) -> dict[str, st
     return {"Authorization": "Bearer " + token}
 
 
-def _pem(path: str, base: str, section: Mapping[str, Any], key: str) -> bytes | None:
+def _pem(path: str, base: str, section: Mapping[str, Any], key: str, files: _Files) -> bytes | None:
     """The PEM bytes of ``key-data`` (base64) or of the file ``key`` (relative to the kubeconfig)."""
     data = section.get(key + "-data")
     if data:
@@ -151,8 +211,7 @@ def _pem(path: str, base: str, section: Mapping[str, Any], key: str) -> bytes | 
         return None
     file_path = posixpath.join(base, str(name))
     try:
-        with open(file_path, "rb") as fh:
-            return fh.read()
+        return files.bytes(file_path)
     except OSError as exc:
         raise KubeconfigError(f"{path}: {key}: cannot read {file_path}: {exc.strerror}") from None
 

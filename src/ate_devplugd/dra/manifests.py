@@ -11,6 +11,12 @@ Every name is one the apiserver takes for its kind: the policy, its binding and 
 must be DNS subdomains (no ``:``, which RBAC names allow), so all four objects share the subdomain
 ``ate-devplugd.<driver>``. The policy and its binding come before the RBAC that grants the writes it
 confines, so an applier that stops at the first refusal never creates the grant alone.
+
+Order in one stream is not enough: the apiserver enforces a new admission policy only after its policy
+source refreshes (at most once a second), while an RBAC grant works at once, so one ``kubectl apply``
+leaves a window of up to about a second in which the grant is not confined. ``stage`` splits the output
+in two: ``policy`` (the DeviceClasses, the namespace and service account, the policy and its binding)
+and ``grant`` (the ClusterRole and its binding), to be applied once the policy is in force.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import API_VERSION, RESOURCE_ATTRIBUTE, class_name
 
 SERVICE_ACCOUNT = ("ate-devplugd", "ate-devplugd")  # namespace, name
+#: The two stages of the output: apply ``policy``, wait until the apiserver enforces it, apply ``grant``.
+STAGES = ("policy", "grant")
+_GRANT_KINDS = ("ClusterRole", "ClusterRoleBinding")
 _NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 
 
@@ -132,15 +141,33 @@ def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE
     ]
 
 
-def render(config: DraConfig, resources: Sequence[str], *, with_access: bool = True) -> str:
-    """The manifests as one multi-document YAML text."""
+def render(config: DraConfig, resources: Sequence[str], *, with_access: bool = True, stage: str | None = None) -> str:
+    """The manifests as one multi-document YAML text: all of them, or one ``stage`` of STAGES (which
+    implies ``with_access``)."""
+    if stage is not None and stage not in STAGES:
+        raise ValueError(f"stage {stage!r}: not one of {', '.join(STAGES)}")
+    access = access_objects(config)
+    if stage == "grant":
+        grant = [doc for doc in access if doc["kind"] in _GRANT_KINDS]
+        return (
+            "# Stage 2 of 2: the RBAC for the driver's service account. Apply it only once the admission policy\n"
+            "# of stage 1 is in force (the apiserver enforces a new policy up to about a second after it is created).\n"
+            + yaml.safe_dump_all(grant, sort_keys=False, explicit_start=True, width=4096)
+        )
     docs = [device_class(config, resource) for resource in resources]
     text = "# DeviceClasses for ate-devplugd's DRA driver " + config.driver + "\n"
     text += yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True, width=4096)
-    if with_access:
+    if stage == "policy":
+        text += (
+            "# Stage 1 of 2: an admission policy that limits a node-bound token to its own node's ResourceSlices.\n"
+            "# Wait until it is in force before applying stage 2 (--stage grant), which grants the writes.\n"
+        )
+        policy = [doc for doc in access if doc["kind"] not in _GRANT_KINDS]
+        text += yaml.safe_dump_all(policy, sort_keys=False, explicit_start=True, width=4096)
+    elif with_access:
         text += (
             "# Only for a kubeconfig that is not kubelet's own: an admission policy that limits a node-bound\n"
             "# token to its own node's ResourceSlices, then the RBAC for the driver's service account.\n"
         )
-        text += yaml.safe_dump_all(access_objects(config), sort_keys=False, explicit_start=True, width=4096)
+        text += yaml.safe_dump_all(access, sort_keys=False, explicit_start=True, width=4096)
     return text

@@ -50,6 +50,8 @@ class DraMetrics:
         self._prepare_buckets = [0] * len(PREPARE_BUCKETS)
         self._prepare_calls = 0
         self._prepare_seconds = 0.0
+        #: Whether the API server refuses the daemon's credentials (401) now.
+        self.refused = False
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -92,6 +94,12 @@ class DraMetrics:
         self.api_errors[kind] += 1
         self._changed()
 
+    def credentials_refused(self, refused: bool) -> None:
+        """The API server refuses the credentials (401, not in the moment after its start), or no longer."""
+        if refused != self.refused:
+            self.refused = refused
+            self._changed()
+
     def registration(self, accepted: bool) -> None:
         """kubelet's notice: it took the driver (a registration of every resource) or refused it."""
         if self._shared is not None:
@@ -108,6 +116,13 @@ class DraMetrics:
         )
         info.add_metric([self.driver, self.sharing], 1)
         yield info
+        refused = Family.gauge(
+            PREFIX + "credentials_refused",
+            "1 while the API server refuses the daemon's credentials (401: an expired token, or one whose Node "
+            "was deleted or created again).",
+        )
+        refused.add_metric([], 1 if self.refused else 0)
+        yield refused
         for name, doc, labels, counts in (
             ("prepares", "Claims prepared for kubelet (NodePrepareResources).", (), {(): self.prepares}),
             ("unprepares", "Claims unprepared for kubelet (NodeUnprepareResources).", (), {(): self.unprepares}),

@@ -4,6 +4,11 @@ Prepare GETs each claim, checks it is the one kubelet means (same uid) and alloc
 device per allocation result of this driver, with the resource's CDI device. Nothing is kept: prepare
 may come again after a kubelet restart, and unprepare has nothing to undo, so both are idempotent. One
 lock serialises them, as kubelet expects of a driver.
+
+A prepare asks the API server itself, with its own client made from the credentials as their files say
+now (``credentials.CredentialFiles``), whatever the slice publisher is doing: an API server that is away,
+overloaded or refusing for the moment after its start (401, 403) is asked again every quarter to half a
+second until PREPARE_SECONDS after kubelet's call arrived, well inside kubelet's 45 s.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
+from ate_devplugd.dra.credentials import CredentialFiles
+from ate_devplugd.dra.kubeconfig import KubeconfigError
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
 
@@ -24,6 +32,17 @@ if TYPE_CHECKING:
     from ate_devplugd.dra.metrics import DraMetrics
 
 log = logging.getLogger(__name__)
+
+#: A prepare reads its claims for at most this long after kubelet's call arrived (kubelet gives a call
+#: 45 s, and a call that waited for the lock has spent some of them).
+PREPARE_SECONDS = 20.0
+#: Between two reads of a claim while the API server is away or refusing: at random in this range.
+RETRY_SECONDS = (0.25, 0.5)
+
+
+def _transient(status: int) -> bool:
+    """An answer that may change within seconds: 401/403 while the server starts, throttling, 5xx."""
+    return status in (401, 403, 429) or status >= 500
 
 
 class ClaimProblem(enum.Enum):
@@ -77,13 +96,16 @@ class Preparer:
         self,
         driver: str,
         pool_list: Sequence[Pool],
-        client: Callable[[], ApiClient | None],
+        files: CredentialFiles,
         present: Mapping[str, bool],
         metrics: DraMetrics,
     ) -> None:
         self._driver = driver
         self._pools = {pool.name: pool for pool in pool_list}
-        self._client = client
+        self._files = files
+        self._api: ApiClient | None = None
+        #: The credentials' generation ``_api`` was made with (-1: make it again).
+        self._api_generation = -1
         self._present = present
         self._metrics = metrics
         self._lock = asyncio.Lock()
@@ -96,10 +118,16 @@ class Preparer:
                 return True
         return False
 
+    async def close(self) -> None:
+        api, self._api = self._api, None
+        if api is not None:
+            await api.close()
+
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         started = time.monotonic()
+        deadline = asyncio.get_running_loop().time() + PREPARE_SECONDS
         async with self._lock:
-            results = await asyncio.gather(*(self._prepare_one(claim) for claim in claims))
+            results = await asyncio.gather(*(self._prepare_one(claim, deadline) for claim in claims))
         self._metrics.prepare_call(time.monotonic() - started)
         return {claim.uid: result for claim, result in zip(claims, results, strict=True)}
 
@@ -111,9 +139,9 @@ class Preparer:
             self._metrics.claims_unprepared(len(claims))
             return {claim.uid: "" for claim in claims}
 
-    async def _prepare_one(self, claim: ClaimRef) -> PrepareResult:
+    async def _prepare_one(self, claim: ClaimRef, deadline: float) -> PrepareResult:
         try:
-            devices = tuple(await self._devices(claim))
+            devices = tuple(await self._devices(claim, deadline))
         except ClaimError as exc:
             EventLog(log).warning("dra-prepare", "dra: cannot prepare claim %s: %s", claim, exc)
             self._metrics.claim_failed(exc.problem)
@@ -123,18 +151,49 @@ class Preparer:
         self._metrics.claim_prepared(self._pools[d.pool_name].resource for d in devices)
         return PrepareResult(devices=devices)
 
-    async def _devices(self, claim: ClaimRef) -> list[PreparedDevice]:
-        client = self._client()
-        if client is None:
-            raise ClaimError(ClaimProblem.API, "the API server is not reachable yet")
+    async def _client(self) -> ApiClient:
+        """The client for claim reads, made again when the credentials' files changed (or after a 401)."""
+        api = self._api
+        if api is None or self._api_generation != self._files.generation:
+            old, self._api = api, None
+            try:
+                api = self._api = ApiClient(self._files.load(), self._metrics.api_error)
+                self._api_generation = self._files.generation  # after the load: what it read is in use
+            finally:
+                if old is not None:
+                    await old.close()
+        return api
+
+    async def _read(self, claim: ClaimRef, deadline: float) -> dict[str, Any]:
+        """The claim as the API server has it; asked again while it is away or refusing, until ``deadline``."""
+        last: Exception | None = None
         try:
-            obj = await client.request("GET", claim_path(claim.namespace, claim.name))
-        except ApiError as exc:
-            if exc.status == 404:
-                raise ClaimError(ClaimProblem.NOT_FOUND, "not found") from None
-            raise ClaimError(ClaimProblem.API, f"cannot read it: {exc}") from None
-        except ApiUnavailable as exc:
-            raise ClaimError(ClaimProblem.API, f"cannot read it: {exc}") from None
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    try:
+                        return await (await self._client()).request("GET", claim_path(claim.namespace, claim.name))
+                    except KubeconfigError as exc:
+                        raise ClaimError(ClaimProblem.API, f"cannot read it: {exc}") from None
+                    except ApiError as exc:
+                        if exc.status == 404:
+                            raise ClaimError(ClaimProblem.NOT_FOUND, "not found") from None
+                        if not _transient(exc.status):
+                            raise ClaimError(ClaimProblem.API, f"cannot read it: {exc}") from None
+                        if exc.status == 401:
+                            self._api_generation = -1  # read the credentials again for the next try
+                        last = exc
+                    except ApiUnavailable as exc:
+                        last = exc
+                    delay = random.uniform(*RETRY_SECONDS)
+                    log.debug("dra: cannot read claim %s yet (%s); asking again in %.2f s", claim, last, delay)
+                    await asyncio.sleep(delay)  # a retry delay while the API server is away, not a poll
+        except TimeoutError:
+            raise ClaimError(
+                ClaimProblem.API, f"cannot read it within {PREPARE_SECONDS:g} s: {last or 'no answer'}"
+            ) from None
+
+    async def _devices(self, claim: ClaimRef, deadline: float) -> list[PreparedDevice]:
+        obj = await self._read(claim, deadline)
         uid = obj.get("metadata", {}).get("uid")
         if uid != claim.uid:
             raise ClaimError(

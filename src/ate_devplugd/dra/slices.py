@@ -9,8 +9,16 @@ deletion arrives on the watch and the reconciler writes the pool again at once.
 Any failure ends the session; the next one starts after a back-off (a broken kubeconfig is reported
 once, then retried quietly). When the API server could not be reached (or answered 5xx while it
 starts), the back-off stays at about a second, jittered, so the node is back about a second after the
-API server is and a fleet does not come back in step; an answer that refuses (401, 403, 422) backs
-off to 30 s. The first session that works again after failures says so once, at info.
+API server is and a fleet does not come back in step. An answer that refuses (401, 403, 422) backs off
+to 30 s, except in the first SETTLE_SECONDS after the API server answers again (after an outage, or at
+the daemon's start): a server that has just started may refuse for a moment, before it has loaded its
+authenticators (401) or its authorization rules (403), so those two are retried on the reconnect
+schedule there, and said once as a warning if they outlast it. A 401 outside that moment means the
+credentials are refused (an expired token, or one bound to a Node that was deleted or created again):
+STATUS, one ``dra-credentials-refused`` warning and ``ate_devplugd_dra_credentials_refused`` say so
+until a session works again. A change to the credentials' files (``credentials.CredentialFiles``) ends
+a back-off, or the running session, at once: the next session uses them. The first session that works
+again after failures says so once, at info.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ate_devplugd.dra import kubeconfig, node, pools
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
 from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.credentials import CredentialFiles
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
 from ate_devplugd.session import Backoff
@@ -43,6 +52,15 @@ WATCH_SECONDS = 600
 #: After a session failed for want of the API server, the next one starts at most this long later:
 #: half to all of it, at random (see ``reconnect_delay``).
 RECONNECT_SECONDS = 1.0
+#: For this long after the API server answers again, a 401 or 403 is retried on the reconnect schedule:
+#: a server that has just started answers before its authenticators and authorization rules are loaded.
+SETTLE_SECONDS = 30.0
+#: What to do about credentials the API server refuses (401), by their kind.
+TOKEN_REMEDY = (
+    "the token expired, or the Node it is bound to was deleted or created again: write a new one "
+    "(README: Credentials for DRA mode)"
+)
+CERTIFICATE_REMEDY = "the client certificate expired or is not trusted: check kubelet's certificate rotation"
 
 
 def reconnect_delay(delay: float, uniform: Callable[[float, float], float] = random.uniform) -> float:
@@ -72,10 +90,16 @@ class SliceState(enum.Enum):
     REPUBLISHING = "deleted, publishing again"
     KUBECONFIG_ERROR = "kubeconfig error"
     API_ERROR = "API server error"
+    #: The API server answers 401, and not in the moment after it started: ``detail`` says what to do.
+    CREDENTIALS_REFUSED = "not published, the API server refuses the credentials"
 
 
 class _Expired(Exception):
     """The watch's resourceVersion is too old (410): list again."""
+
+
+class _CredentialsChanged(Exception):
+    """A file the session's credentials were read from changed: start again with it."""
 
 
 class SlicePublisher:
@@ -93,7 +117,8 @@ class SlicePublisher:
     ) -> None:
         self.config = config
         self.pools = list(pool_list)
-        self._load = load_credentials
+        #: The credentials' files, followed; prepare reads claims with the same credentials.
+        self.files = CredentialFiles(config.kubeconfig, load_credentials)
         self._backoff = backoff
         self._on_change = on_change
         self._metrics = metrics
@@ -102,7 +127,6 @@ class SlicePublisher:
         self.detail = ""
         self.sharing_dropped = False
         self._published = False
-        self.client: ApiClient | None = None
         self._wake = asyncio.Event()
         self._node_uid = ""
         self._slices: dict[str, dict[str, Any]] = {}
@@ -116,6 +140,16 @@ class SlicePublisher:
         self._shown: tuple[SliceState, str, tuple[int, ...], bool] = (self.state, "", (), False)
         #: When the sessions began to fail (monotonic), until one works again.
         self._failing_since: float | None = None
+        #: The API server has not answered since the start or since it was last away.
+        self._away = True
+        #: When it answered again (monotonic), while a 401 or 403 is still taken for its start's moment.
+        self._answered_at: float | None = None
+        #: The generation of the credentials' files the last session read.
+        self._files_generation = 0
+        #: Whether the last credentials read carry a token (else a client certificate).
+        self._token = False
+        self._refused_said = False
+        self._reported = ""
 
     @property
     def published_devices(self) -> int:
@@ -140,6 +174,8 @@ class SlicePublisher:
         Called after every change to what the owner shows, the stored slices included: what was last
         shown is only a de-duplication, and must follow each of them, deletions too."""
         self.state, self.detail = state, detail
+        if self._metrics is not None:
+            self._metrics.credentials_refused(state is SliceState.CREDENTIALS_REFUSED)
         shown = (state, detail, tuple(self.published.values()), self.sharing_dropped)
         if shown != self._shown:
             self._shown = shown
@@ -149,48 +185,148 @@ class SlicePublisher:
     async def run(self) -> None:
         """Sessions until cancelled, with a back-off after each failed one."""
         backoff = Backoff(*self._backoff)
-        reported = ""
-        while True:
-            self._published = False
-            try:
-                await self._session()
-            except (_Expired, node.NodeWatchExpired):
-                continue
-            except kubeconfig.KubeconfigError as exc:
-                message = str(exc)
-                if message != reported:  # one clear error per distinct problem, then quiet retries
-                    log.log(logging.ERROR, "dra: cannot use the kubeconfig (retrying): %s", message)
-                else:
-                    log.debug("dra: kubeconfig still unusable: %s", message)
-                reported = message
-                self._set_state(SliceState.KUBECONFIG_ERROR, message)
-                delay = backoff.next()
-            except (ApiError, ApiUnavailable) as exc:
-                message = str(exc)
-                if self._published:  # the session worked for a while: a fresh failure, a fresh back-off
-                    backoff.reset()
-                    reported = ""
-                delay = backoff.next()
-                if _unreachable(exc):
-                    delay = reconnect_delay(delay)
-                level = logging.DEBUG if message == reported else logging.WARNING
-                EventLog(log).log(level, "dra-api-error", "dra: API server: %s (retrying in %.2f s)", message, delay)
-                reported = message
+        self.files.start()
+        try:
+            while True:
+                self._published = False
+                try:
+                    await self._session()
+                except (_Expired, node.NodeWatchExpired):
+                    continue
+                except _CredentialsChanged:
+                    self._fresh_credentials(backoff)
+                    continue
+                except kubeconfig.KubeconfigError as exc:
+                    message = str(exc)
+                    if message != self._reported:  # one clear error per distinct problem, then quiet retries
+                        EventLog(log).error("dra-kubeconfig", "dra: cannot use the kubeconfig (retrying): %s", message)
+                    else:
+                        log.debug("dra: kubeconfig still unusable: %s", message)
+                    self._reported = message
+                    self._set_state(SliceState.KUBECONFIG_ERROR, message)
+                    delay = backoff.next()
+                except (ApiError, ApiUnavailable) as exc:
+                    if self._published:  # the session worked for a while: a fresh failure, a fresh back-off
+                        backoff.reset()
+                        self._reported = ""
+                    delay = self._api_failed(exc, backoff.next())
+                except Exception:  # the one boundary of this supervised task: log, back off, retry
+                    delay = backoff.next()
+                    log.exception("dra: the slice publisher failed (retrying in %.2f s)", delay)
+                    self._reported = ""
+                    self._set_state(SliceState.API_ERROR, "internal error (see the log)")
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
+                if await self._pause(delay):
+                    self._fresh_credentials(backoff)
+        finally:
+            self.files.close()
+
+    def _fresh_credentials(self, backoff: Backoff) -> None:
+        """New credentials: tried at once, and a refusal of them is a new problem, said again."""
+        backoff.reset()
+        self._reported = ""
+        self._refused_said = False
+
+    async def _pause(self, delay: float) -> bool:
+        """The back-off between failed sessions (not a poll); cut short, returning True, when the
+        credentials' files change."""
+        try:
+            async with asyncio.timeout(delay):
+                await self.files.changed(after=self._files_generation)
+        except TimeoutError:
+            return False
+        return True
+
+    def _api_failed(self, exc: ApiError | ApiUnavailable, delay: float) -> float:
+        """Say why the session failed, set the state, and return how long to wait before the next one."""
+        message = str(exc)
+        level = logging.DEBUG if message == self._reported else logging.WARNING
+        self._reported = message
+        if isinstance(exc, ApiUnavailable) or _unreachable(exc):
+            self._away, self._answered_at = True, None
+            delay = reconnect_delay(delay)
+            EventLog(log).log(level, "dra-api-error", "dra: API server: %s (retrying in %.2f s)", message, delay)
+            self._set_state(SliceState.API_ERROR, message)
+            return delay
+        now = time.monotonic()
+        if self._away:  # it answers again: a refusal now may be its start's moment
+            self._away, self._answered_at = False, now
+        refused = exc.status in (401, 403)
+        if refused and self._answered_at is not None:
+            since = now - self._answered_at
+            if since < SETTLE_SECONDS:
+                delay = reconnect_delay(delay)
+                EventLog(log).log(
+                    level,
+                    "dra-api-error",
+                    "dra: API server: %s, %.1f s after it answered again (it may not have loaded its "
+                    "authentication or authorization yet; retrying in %.2f s)",
+                    message,
+                    since,
+                    delay,
+                )
                 self._set_state(SliceState.API_ERROR, message)
-            except Exception:  # the one boundary of this supervised task: log, back off, retry
-                delay = backoff.next()
-                log.exception("dra: the slice publisher failed (retrying in %.2f s)", delay)
-                reported = ""
-                self._set_state(SliceState.API_ERROR, "internal error (see the log)")
-            if self._failing_since is None:
-                self._failing_since = time.monotonic()
-            await asyncio.sleep(delay)  # back-off between failed sessions, not a poll
+                return delay
+            self._answered_at = None
+            if exc.status == 403:
+                EventLog(log).warning(
+                    "dra-api-refused",
+                    "dra: the API server still refuses %.0f s after it answered again, so this is no "
+                    "restart's moment: %s (backing off; retrying in %.2f s)",
+                    since,
+                    message,
+                    delay,
+                )
+                self._set_state(SliceState.API_ERROR, message)
+                return delay
+        if exc.status == 401:
+            remedy = TOKEN_REMEDY if self._token else CERTIFICATE_REMEDY
+            if not self._refused_said:
+                EventLog(log).warning(
+                    "dra-credentials-refused",
+                    "dra: the API server refuses the credentials of %s (%s): %s (retrying in %.2f s)",
+                    self.config.kubeconfig,
+                    message,
+                    remedy,
+                    delay,
+                )
+                self._refused_said = True
+            else:
+                log.debug("dra: credentials still refused: %s (retrying in %.2f s)", message, delay)
+            self._set_state(SliceState.CREDENTIALS_REFUSED, f"{message}; {remedy}")
+            return delay
+        EventLog(log).log(level, "dra-api-error", "dra: API server: %s (retrying in %.2f s)", message, delay)
+        self._set_state(SliceState.API_ERROR, message)
+        return delay
 
     async def _session(self) -> None:
-        client = ApiClient(
-            self._load(self.config.kubeconfig), self._metrics.api_error if self._metrics is not None else None
-        )
-        self.client = client
+        try:
+            credentials = self.files.load()
+        finally:
+            self._files_generation = self.files.generation  # after the load: what it read is in use
+        self._token = credentials.token
+        client = ApiClient(credentials, self._metrics.api_error if self._metrics is not None else None)
+        tasks = [asyncio.ensure_future(self._serve(client)), asyncio.ensure_future(self._credentials_changed())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            try:
+                for task in tasks:
+                    task.cancel()
+                # Their outcome is known (raised above) or moot (cancelled); only their end is awaited.
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                await client.close()
+
+    async def _credentials_changed(self) -> None:
+        await self.files.changed(after=self._files_generation)
+        raise _CredentialsChanged
+
+    async def _serve(self, client: ApiClient) -> None:
+        """The Node, the list, then the watch beside the reconciler, until one of them fails."""
         tasks: list[asyncio.Task[None]] = []
         try:
             await self._refresh_node(client)
@@ -206,14 +342,9 @@ class SlicePublisher:
             for task in done:
                 task.result()
         finally:
-            try:
-                for task in tasks:
-                    task.cancel()
-                # Their outcome is known (raised above) or moot (cancelled); only their end is awaited.
-                await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                self.client = None
-                await client.close()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _refresh_node(self, client: ApiClient) -> None:
         """The Node's uid, waiting on a watch while the Node does not exist."""
@@ -262,6 +393,7 @@ class SlicePublisher:
             self._wake.clear()
             await self._reconcile(client)
             self._published = True
+            self._away, self._answered_at, self._refused_said = False, None, False
             self._set_state(SliceState.PUBLISHED, "")
             if self._failing_since is not None:
                 EventLog(log).info(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import yaml
 
+from ate_devplugd import cli
 from ate_devplugd.dra import manifests
 from ate_devplugd.dra.config import DraConfig
 from tests.fakes.apivalidation import KINDS, model_errors
@@ -64,3 +68,27 @@ class TestRender:
         """Every object decodes into the kubernetes client's model with no field lost (venv only)."""
         for obj in docs(manifests.render(CONFIG, ["ate.dev/kvm"])):
             assert model_errors(obj, KINDS[obj["kind"]][3]) == []  # type: ignore[index]
+
+
+class TestCommand:
+    def test_stages(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """``dra-manifests --stage policy`` then ``--stage grant`` print the two halves, the grant last."""
+        config = tmp_path / "config.toml"
+        config.write_text("")
+        kinds = {}
+        for stage in manifests.STAGES:
+            assert cli.main(["dra-manifests", "--stage", stage, "--config", str(config)]) == 0
+            kinds[stage] = [d["kind"] for d in docs(capsys.readouterr().out)]
+        assert kinds["grant"] == ["ClusterRole", "ClusterRoleBinding"]
+        assert kinds["policy"][-2:] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+
+    def test_stage_is_not_for_kubelet_credentials(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """kubelet's credentials need no policy and no grant: asking for a stage with them is a usage error."""
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["dra-manifests", "--stage", "grant", "--kubelet-credentials"])
+        assert exit_.value.code == 2
+        assert "not allowed with argument" in capsys.readouterr().err
+
+    def test_unknown_stage(self) -> None:
+        with pytest.raises(ValueError, match="not one of policy, grant"):
+            manifests.render(CONFIG, ["ate.dev/kvm"], stage="later")

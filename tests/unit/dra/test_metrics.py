@@ -49,6 +49,7 @@ class TestDraMetrics:
                 key = (("reason", reason.value), ("resource", resource))
                 assert got[("ate_devplugd_dra_slice_publishes_total", key)] == 0
         assert got[("ate_devplugd_dra_prepare_duration_seconds_count", ())] == 0
+        assert got[("ate_devplugd_dra_credentials_refused", ())] == 0
         assert ("ate_devplugd_registered", (("resource", KVM),)) in got  # the daemon's own are still there
 
     def test_a_prepared_claim_is_one_allocation_of_each_resource_it_got(self) -> None:
@@ -100,6 +101,18 @@ class TestDraMetrics:
         got = samples(shared)
         assert got[("ate_devplugd_dra_unprepares_total", ())] == 2
         assert got[("ate_devplugd_dra_api_errors_total", (("reason", "forbidden"),))] == 1
+
+    def test_credentials_refused_is_state(self) -> None:
+        """The gauge follows the state: 1 while refused, 0 again after; saying it twice is no change."""
+        calls: list[None] = []
+        shared, dra = rendered()
+        shared.on_change = lambda prompt: calls.append(None)
+        dra.credentials_refused(True)
+        dra.credentials_refused(True)
+        assert samples(shared)[("ate_devplugd_dra_credentials_refused", ())] == 1
+        dra.credentials_refused(False)
+        assert samples(shared)[("ate_devplugd_dra_credentials_refused", ())] == 0
+        assert len(calls) == 2
 
     @pytest.mark.parametrize(
         ("status", "kind"),

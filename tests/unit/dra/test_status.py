@@ -33,6 +33,11 @@ class TestStatus:
                 "dra: registered with kubelet, slices kubeconfig error: /kc: cannot read",
             ),
             (
+                DraStatus(KubeletState.REGISTERED, SliceState.CREDENTIALS_REFUSED, 0, detail="401 Unauthorized; x"),
+                "dra: registered with kubelet, slices not published, the API server refuses the credentials: "
+                "401 Unauthorized; x",
+            ),
+            (
                 DraStatus(KubeletState.REGISTERED, SliceState.PUBLISHED, 1, sharing_dropped=True),
                 "dra: registered with kubelet, slice published (1 device), "
                 "shared device made exclusive by the API server (DRAConsumableCapacity off)",
