@@ -6,9 +6,10 @@ one); then start the mode: device-plugin mode's sessions (``plugins.DevicePlugin
 socket, proves it answers, then registers) or DRA mode's driver (``dra.mode.DraMode``). READY=1 goes out
 once every present device has been served, whether or not kubelet is there; the metrics file follows
 from then on, and so does the question to the container runtime whether it applies our CDI names
-(``runtime_cdi.RuntimeCheck``: asked again on reload and when kubelet starts, never on a timer). The
-main loop sleeps until a signal's flag is set; the only timers are the watchdog ping, the sessions'
-back-off and the metrics file's coalescing delay. Reload applies a config diff: added
+(``runtime_cdi.RuntimeCheck``: asked again on reload, when kubelet starts and when the runtime's socket
+is created again; "unknown" as soon as it goes; never on a timer). The main loop sleeps until a signal's
+flag is set; the only timers are the watchdog ping, the sessions' back-off and the coalescing delays of
+the metrics file and of the runtime socket's events. Reload applies a config diff: added
 resources are served, removed ones stopped, changed ones keep serving (their new list goes out on the
 open ListAndWatch stream). A reload is applied whole or not at all: a config error, a socket another
 process serves, or a changed restart-only key (``config.RESTART_ONLY``; in DRA mode also the set of
@@ -163,7 +164,7 @@ class Daemon:
         if self.config.dra is not None and self.config.mode == "dra":
             from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
 
-            self._mode = DraMode(self.config.dra, self._registry, self._metrics, self._update_status)
+            self._mode = DraMode(self.config.dra, self._registry, self._metrics, self._update_status, self._watch)
         else:
             self._mode = DevicePlugins(self._registry, self._watch, self._metrics, self._update_status)
         self._registry.apply(self.config.devices, self.config.dev_root)
@@ -217,7 +218,7 @@ class Daemon:
 
     def _ask_runtime(self) -> None:
         """Ask the container runtime whether it applies our CDI names (at start, on reload, when kubelet
-        starts: operators change the runtime's config together with restarts). It never delays anything."""
+        starts; the check follows the runtime's own restarts by itself). It never delays anything."""
         cfg = self.config
         enabled = wanted(any(dev.cdi for dev in cfg.devices), cfg.mode)
         self._runtime.start(socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled)

@@ -227,7 +227,7 @@ async def daemon_findings(cfg: Config, node: Node) -> list[Finding]:
         ]
     out = [ok("daemon", f"running (pid {pid})")]
     if cfg.mode == "dra":
-        return out + [registration_finding(cfg, dev.resource, node) for dev in cfg.devices]
+        return out + [dra_registration_finding(cfg, dev.resource, node) for dev in cfg.devices]
     from ate_devplugd import nodeprobe, podresources  # noqa: PLC0415 - gRPC only when the daemon runs
 
     held: podresources.Allocatable | str
@@ -256,6 +256,15 @@ def metric_value(text: str, name: str, resource: str) -> float | None:
     pattern = re.compile(rf'^{re.escape(name)}\{{resource="{re.escape(resource)}"\}} (\S+)$', re.MULTILINE)
     m = pattern.search(text)
     return float(m[1]) if m else None
+
+
+def dra_registration_finding(cfg: Config, resource: str, node: Node) -> Finding:
+    """DRA mode: a kubelet that does not answer holds no registration, whatever the metrics file (written
+    shortly after a change) says; else as ``registration_finding``."""
+    if not socket_answers(posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)):
+        message = "not registered: kubelet does not answer (see kubelet)"
+        return fail(f"registered {resource}", message, "systemctl status kubelet")
+    return registration_finding(cfg, resource, node)
 
 
 def registration_finding(cfg: Config, resource: str, node: Node, held: Allocatable | str = "") -> Finding:

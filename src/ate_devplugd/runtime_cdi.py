@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.logs import EventLog
 
 log = logging.getLogger("ate_devplugd")
@@ -52,6 +54,10 @@ KUBELET_CRI_VERSION = "0.1.0"
 ASK_TIMEOUT = 10.0
 #: Where both runtimes read specs unless configured otherwise (the CDI library's default).
 CDI_DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
+#: How long after the first inotify event on a runtime socket the runtime is asked: a starting containerd
+#: removes its old socket and creates the new one (and its ttrpc socket) within milliseconds, and the
+#: whole burst is one question.
+SETTLE_DELAY = 0.05
 
 
 class CdiVerdict(enum.Enum):
@@ -217,6 +223,18 @@ def find_socket(configured: str, candidates: tuple[str, ...] = DEFAULT_RUNTIME_S
     return next((path for path in candidates if os.path.exists(path)), None)
 
 
+def absent_report(configured_socket: str) -> RuntimeReport | None:
+    """The verdict when there is no runtime socket to ask (UNKNOWN, saying where none was); None when
+    there is one."""
+    socket = find_socket(configured_socket)
+    if socket is None:
+        where = ", ".join(DEFAULT_RUNTIME_SOCKETS)
+        return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {where}")
+    if not os.path.exists(socket):
+        return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {socket}", socket=socket)
+    return None
+
+
 async def ask(configured_socket: str, cdi_dir: str, timeout: float = ASK_TIMEOUT) -> RuntimeReport:
     """Ask the runtime (Version, then Status with verbose) and decide; never raises for its answers."""
     import grpc  # noqa: PLC0415 - the doctor imports this module before it needs gRPC
@@ -224,12 +242,11 @@ async def ask(configured_socket: str, cdi_dir: str, timeout: float = ASK_TIMEOUT
     from ate_devplugd._pb.cri.v1 import api_pb2, api_pb2_grpc  # noqa: PLC0415
     from ate_devplugd.endpoint import unix_target  # noqa: PLC0415
 
+    absent = absent_report(configured_socket)
+    if absent is not None:
+        return absent
     socket = find_socket(configured_socket)
-    if socket is None:
-        where = ", ".join(DEFAULT_RUNTIME_SOCKETS)
-        return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {where}")
-    if not os.path.exists(socket):
-        return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {socket}", socket=socket)
+    assert socket is not None
     async with grpc.aio.insecure_channel(unix_target(socket)) as channel:
         stub = api_pb2_grpc.RuntimeServiceStub(channel)
         try:
@@ -253,10 +270,18 @@ def wanted(devices_use_cdi: bool, mode: str) -> bool:
 
 
 class RuntimeCheck:
-    """The daemon's question to the runtime: asked at start, on reload and when kubelet starts, never on
-    a timer; each ask replaces one still running. It runs beside everything else on the loop, so a
+    """The daemon's question to the runtime: asked at start, on reload, when kubelet starts, and whenever
+    the runtime's socket is created again (containerd and CRI-O create theirs anew at every start); never
+    on a timer. Each ask replaces one still running. It runs beside everything else on the loop, so a
     runtime that is slow or absent delays nothing. Each new verdict is logged once (a warning when the
-    names will not work, info otherwise) and shown in STATUS and the metrics."""
+    names will not work, info otherwise) and shown in STATUS and the metrics.
+
+    The socket is followed by inotify on its directory (``DirWatcher``, on the loop): the configured
+    ``runtime_socket``'s, else the directory of each usual socket (a directory not there yet is waited for
+    from its nearest existing ancestor). The watch is installed before the first question, so no start of
+    the runtime falls between the two. When the socket the verdict came from is removed, the verdict is
+    UNKNOWN at once (a stopped runtime applies nothing); a socket created (or a directory back, or lost
+    events) asks again ``SETTLE_DELAY`` after the first event, one question for the whole burst."""
 
     def __init__(
         self,
@@ -269,33 +294,105 @@ class RuntimeCheck:
         self._report: RuntimeReport | None = None
         self._logged: tuple[CdiVerdict, str, str] | None = None
         self._mode = "device-plugin"
+        self._socket = ""
+        self._cdi_dir = ""
+        self._watched: tuple[str, ...] = ()
+        self._watchers: list[DirWatcher] = []
+        self._settle: asyncio.TimerHandle | None = None
 
     @property
     def report(self) -> RuntimeReport | None:
         """The latest verdict; None while the check is off or has not answered yet."""
         return self._report
 
+    @property
+    def watched(self) -> tuple[str, ...]:
+        """The sockets whose directories are watched (empty while the check is off)."""
+        return self._watched
+
     def start(self, *, socket: str, cdi_dir: str, mode: str, enabled: bool) -> None:
         """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew)."""
         self._cancel()
         if not enabled:
+            self._unwatch()
             self._logged = None
             self._set(None)
             return
-        self._mode = mode
+        self._mode, self._socket, self._cdi_dir = mode, socket, cdi_dir
+        self._watch((socket,) if socket else DEFAULT_RUNTIME_SOCKETS)
         self._task = asyncio.get_running_loop().create_task(self._run(socket, cdi_dir), name="runtime CDI check")
 
     async def close(self) -> None:
         task = self._task
         self._cancel()
+        self._unwatch()
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
     def _cancel(self) -> None:
+        if self._settle is not None:
+            self._settle.cancel()
+            self._settle = None
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._task = None
 
+    # -- following the socket ----------------------------------------------------------------------
+    def _watch(self, sockets: tuple[str, ...]) -> None:
+        """One watch per directory holding one of ``sockets`` (kept when they are the ones watched)."""
+        if sockets == self._watched:
+            return
+        self._unwatch()
+        names: dict[str, set[str]] = {}
+        for path in sockets:
+            directory, name = posixpath.split(posixpath.normpath(path))
+            names.setdefault(directory, set()).add(name)
+        for directory, wanted_names in names.items():
+            watcher = DirWatcher(directory, functools.partial(self._on_dir_events, frozenset(wanted_names)))
+            try:
+                watcher.start()
+            except OSError as exc:
+                watcher.close()
+                EventLog(log).warning(
+                    EVENT_UNWATCHED,
+                    "cdi: cannot watch %s for the runtime's socket (%s); the runtime is asked again only on "
+                    "reload and when kubelet starts",
+                    directory,
+                    exc.strerror or exc,
+                )
+                continue
+            self._watchers.append(watcher)
+        self._watched = sockets
+
+    def _unwatch(self) -> None:
+        for watcher in self._watchers:
+            watcher.close()
+        self._watchers = []
+        self._watched = ()
+
+    def _on_dir_events(self, names: frozenset[str], events: list[DirEvent]) -> None:
+        if not any(ev.name in names if ev.kind in ("created", "removed") else True for ev in events):
+            return
+        report = self._report
+        if report is not None and report.socket and not os.path.exists(report.socket):
+            # The runtime the verdict came from is gone: it applies nothing now, whatever it said.
+            self._cancel()
+            gone = absent_report(self._socket) or RuntimeReport(
+                CdiVerdict.UNKNOWN, f"no runtime socket at {report.socket}", socket=report.socket
+            )
+            self._log(gone)
+            self._set(gone)
+        if self._settle is None:
+            self._settle = asyncio.get_running_loop().call_later(SETTLE_DELAY, self._settled)
+
+    def _settled(self) -> None:
+        self._settle = None
+        self._cancel()
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(self._socket, self._cdi_dir), name="runtime CDI check"
+        )
+
+    # -- the verdict -------------------------------------------------------------------------------
     async def _run(self, socket: str, cdi_dir: str) -> None:
         report: RuntimeReport = await self._ask(socket, cdi_dir)
         self._log(report)
@@ -321,6 +418,8 @@ class RuntimeCheck:
 #: Journal events: a verdict under which our CDI names will not work, and any other verdict.
 EVENT_NOT_APPLIED = "cdi-not-applied"
 EVENT_RUNTIME = "cdi-runtime"
+#: Journal event: the runtime socket's directory cannot be watched (the verdict then follows less).
+EVENT_UNWATCHED = "cdi-unwatched"
 
 
 def consequence(verdict: CdiVerdict, mode: str = "device-plugin") -> str:

@@ -10,6 +10,12 @@ It behaves as kubelet 1.36 does (shared/reference/dra-contract.md §1, §2):
 - prepare/unprepare through the chosen version on the returned endpoint, 45 s per call, and the
   v1alpha1 health stream (``watch_health``);
 - ``restart()``: a kubelet started again registers every plugin socket anew;
+- with ``device_plugin_dir``, kubelet's device manager as a DRA driver sees it: at start it removes the
+  files of that directory (not its checkpoint) and listens on ``kubelet.sock`` there, in a process of its
+  own (kubelet's); ``stop()`` ends that process (SIGTERM, as ``systemctl stop kubelet``), which leaves the
+  socket behind, as a stopped kubelet does (kubelet_watch.py);
+- with ``hold_health``, it opens the health stream of each driver it registers and holds it, as kubelet
+  1.36 does (it ends with ``stop()``);
 - a driver that deregisters has ``wiping_delay`` (kubelet's ``defaultWipingDelay``, 30 s, in
   pkg/kubelet/cm/dra/manager.go) to register again before kubelet deletes its ResourceSlices on this
   node (``on_wipe(driver)``, given the fake API server's ``wipe_driver``); a registration of the same
@@ -25,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +54,18 @@ GET_INFO_TIMEOUT = 1.0
 NOTIFY_TIMEOUT = 5.0
 CALL_TIMEOUT = 45.0
 WIPING_DELAY = 30.0
+#: kubelet's device-manager checkpoint, which its start leaves in the device-plugin directory.
+CHECKPOINT = "kubelet_internal_checkpoint"
+#: kubelet's device manager as far as a DRA driver sees it: a process listening on kubelet.sock.
+_LISTENER = """
+import socket, sys
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen()
+print("listening", flush=True)
+while True:
+    server.accept()[0].close()
+"""
 _VERSIONS: dict[str, tuple[Any, Any]] = {
     "v1.DRAPlugin": (v1_pb2, v1_grpc),
     "v1beta1.DRAPlugin": (v1beta1_pb2, v1beta1_grpc),
@@ -80,8 +99,14 @@ class FakeDraKubelet:
         *,
         on_wipe: Callable[[str], object] | None = None,
         wiping_delay: float = WIPING_DELAY,
+        device_plugin_dir: Path | None = None,
+        hold_health: bool = False,
     ):
         self.registry = kubelet_dir / "plugins_registry"
+        self.device_plugin_dir = device_plugin_dir
+        self.hold_health = hold_health
+        #: The process listening on kubelet.sock (with ``device_plugin_dir``), while "kubelet" runs.
+        self.process: asyncio.subprocess.Process | None = None
         self.known_versions = known_versions
         self.on_wipe = on_wipe
         self.wiping_delay = wiping_delay
@@ -93,13 +118,35 @@ class FakeDraKubelet:
         self._stopping = False
 
     async def start(self) -> None:
+        self._stopping = False
+        if self.device_plugin_dir is not None:
+            await self._start_device_manager(self.device_plugin_dir)
         self.registry.mkdir(parents=True, exist_ok=True)
         self._watch = DirWatcher(str(self.registry), self._on_dir_events)
         self._watch.start()  # the watch first, then the walk: no socket is missed in between
         for entry in sorted(os.listdir(self.registry)):
             self._spawn(self._consider(entry))
 
+    async def _start_device_manager(self, directory: Path) -> None:
+        """Remove the directory's files but the checkpoint (in no particular order), then listen on
+        kubelet.sock in a process of its own."""
+        for entry in os.listdir(directory):
+            path = directory / entry
+            if entry != CHECKPOINT and not path.is_dir():
+                path.unlink(missing_ok=True)
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _LISTENER, str(directory / "kubelet.sock"), stdout=asyncio.subprocess.PIPE
+        )
+        assert self.process.stdout is not None
+        async with asyncio.timeout(10):
+            assert await self.process.stdout.readline() == b"listening\n"
+        self.events.put_nowait(Event("kubelet-sock", str(self.process.pid)))
+
     async def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            await self.process.wait()
+            self.process = None
         self._stopping = True
         for handle in self._wipes.values():
             handle.cancel()
@@ -178,6 +225,8 @@ class FakeDraKubelet:
             await old.channel.close()
         self.plugins[info.name] = plugin
         self.events.put_nowait(Event("registered", info.name, version))
+        if self.hold_health:
+            self.watch_health(info.name)
         pending = self._wipes.pop(info.name, None)
         if pending is not None:
             pending.cancel()

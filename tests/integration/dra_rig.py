@@ -220,9 +220,13 @@ async def dra_node(
     *,
     metrics_file: Path | str = "",
     wiping_delay: float = WIPING_DELAY,
+    kubelet_process: bool = False,
+    hold_health: bool = False,
 ) -> AsyncIterator[DraNode]:
     """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher (which
-    wipes the driver's slices ``wiping_delay`` seconds after it deregistered, unless it came back)."""
+    wipes the driver's slices ``wiping_delay`` seconds after it deregistered, unless it came back). With
+    ``kubelet_process``, kubelet also listens on kubelet.sock in the daemon's plugin directory from a
+    process of its own; with ``hold_health`` it holds the driver's health stream (FakeDraKubelet)."""
     async with short_dir() as base:
         api = FakeApiServer(NODE, token=TOKEN)
         await api.start()
@@ -234,7 +238,13 @@ async def dra_node(
             kvm_config(plugin_dir, dev_root, cdi=True, metrics_file=metrics_file), mode="dra", dra=dra
         )
         notify = NotifyReceiver(base / "notify")
-        kubelet = FakeDraKubelet(base / "kubelet", on_wipe=api.wipe_driver, wiping_delay=wiping_delay)
+        kubelet = FakeDraKubelet(
+            base / "kubelet",
+            on_wipe=api.wipe_driver,
+            wiping_delay=wiping_delay,
+            device_plugin_dir=plugin_dir if kubelet_process else None,
+            hold_health=hold_health,
+        )
         try:
             async with daemon_in_process(
                 config, kernel, monitor=monitor, reload_config=reload_config, notify=notify.path

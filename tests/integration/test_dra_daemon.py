@@ -9,7 +9,9 @@ import dataclasses
 import json
 import logging
 import socket
+import time
 from pathlib import Path
+from typing import Any
 
 from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, DeviceConfig
@@ -18,7 +20,15 @@ from ate_devplugd.kernel import UdevKernelView
 from tests.fakes.dra_kubelet import WIPING_DELAY
 from tests.integration.dra_rig import DRIVER, NODE, DraNode, dra_node, short_dir, write_kubeconfig
 from tests.podman import Podman
-from tests.support import FakeKernel, FakeMonitor, NotifyReceiver, daemon_in_process, kvm_config, run_cli
+from tests.support import (
+    FakeKernel,
+    FakeMonitor,
+    NotifyReceiver,
+    daemon_in_process,
+    kvm_config,
+    run_cli,
+    wait_for_content,
+)
 
 SANDBOX = (4242, 4242)
 
@@ -291,3 +301,108 @@ class TestDraWithARealRuntime:
             ids = list(response.claims[claim[1]].devices[0].cdi_device_ids)
             check = await podman.run(cdi_devices=ids, run_as=SANDBOX, spec_dir=Path(node.config.cdi_dir))
         assert check.opened and check.api_version == 12, check.raw
+
+
+REGISTERED = 'ate_devplugd_registered{resource="ate.dev/kvm"} '
+
+
+async def doctor(node: DraNode) -> dict[str, dict[str, Any]]:
+    """``ate-devplugd doctor --json`` on the node: its checks by name."""
+    path = node.dir / "doctor.toml"
+    path.write_text(configmod.render(node.config))
+    _status, out, err = await run_cli("doctor", "--json", "--config", str(path))
+    assert out, err
+    return {check["check"]: check for check in json.loads(out)["checks"]}
+
+
+async def health_held(node: DraNode) -> None:
+    """Until kubelet has the first message of the driver's health stream (the stream is open)."""
+    async with asyncio.timeout(5):
+        await node.kubelet.plugins[DRIVER].health.get()
+
+
+class TestKubeletFollowed:
+    """kubelet registers a DRA driver once and says nothing when it stops: STATUS, the registered gauge and
+    doctor must still say when it is gone, and registered again once the next kubelet registers the driver."""
+
+    async def test_stop_and_start(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """kubelet 1.36 as the driver sees it (its process listening on kubelet.sock, its health stream
+        held) stopped and started twice: "kubelet gone, not registered" and 0 while it is stopped, doctor
+        FAILs the registration beside kubelet; registered and 1 once it registered the driver again."""
+        prom = fake_root / "m.prom"
+        gone: list[float] = []
+        back: list[float] = []
+        files: list[float] = []
+        async with dra_node(kernel, fake_root, metrics_file=prom, kubelet_process=True, hold_health=True) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("dra: registered with kubelet")
+            await health_held(node)
+            await wait_for_content(prom, REGISTERED + "1")
+            checks = await doctor(node)
+            assert (checks["kubelet"]["level"], checks["registered ate.dev/kvm"]["level"]) == ("OK", "OK"), checks
+            for _ in range(2):
+                node.notify.forget()
+                began = time.monotonic()
+                await node.kubelet.stop()
+                at, _ = await node.notify.wait_stamped(
+                    lambda f: f.get("STATUS", "").startswith("dra: kubelet gone, not registered, slice published")
+                )
+                await wait_for_content(prom, REGISTERED + "0")
+                files.append(time.monotonic() - began)
+                gone.append(at - began)
+                checks = await doctor(node)
+                assert checks["kubelet"]["level"] == "FAIL", checks
+                assert checks["registered ate.dev/kvm"]["level"] == "FAIL", checks
+                node.notify.forget()
+                began = time.monotonic()
+                await node.kubelet.start()
+                at, _ = await node.notify.wait_stamped(
+                    lambda f: f.get("STATUS", "").startswith("dra: registered with kubelet")
+                )
+                await wait_for_content(prom, REGISTERED + "1")
+                back.append(at - began)
+                await node.kubelet.next_event("registered")  # kubelet took the answer to its notice
+                await health_held(node)
+                checks = await doctor(node)
+                assert checks["registered ate.dev/kvm"]["level"] == "OK", checks
+            assert len(node.running.events.named("dra-kubelet-gone")) == 2
+        ms = ", ".join(f"{1000 * g:.1f}" for g in gone)
+        in_file = ", ".join(f"{1000 * f:.1f}" for f in files)
+        print(
+            f"STATUS kubelet gone {ms} ms after its stop (metrics file: {in_file} ms); "
+            f"registered again {back[0]:.2f}, {back[1]:.2f} s after start"
+        )
+        assert max(gone) < 2.0 and max(files) < 3.0, (gone, files)
+
+    async def test_process_alone(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """A kubelet that holds no health stream (before 1.36): its process ending is enough."""
+        async with dra_node(kernel, fake_root, kubelet_process=True) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("dra: registered with kubelet")
+            began = time.monotonic()
+            await node.kubelet.stop()
+            at, _ = await node.notify.wait_stamped(lambda f: "dra: kubelet gone" in f.get("STATUS", ""))
+            print(f"STATUS kubelet gone {1000 * (at - began):.1f} ms after its process ended")
+
+    async def test_health_stream_alone(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """No kubelet process to follow: kubelet ending its health stream, with no kubelet.sock answering,
+        is enough."""
+        async with dra_node(kernel, fake_root, hold_health=True) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("dra: registered with kubelet")
+            await health_held(node)
+            began = time.monotonic()
+            await node.kubelet.stop()
+            at, _ = await node.notify.wait_stamped(lambda f: "dra: kubelet gone" in f.get("STATUS", ""))
+            print(f"STATUS kubelet gone {1000 * (at - began):.1f} ms after its health stream ended")
+
+    async def test_restart_is_not_gone(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """kubelet restarted: at most a moment of "gone" or "waiting", then registered with the new one."""
+        async with dra_node(kernel, fake_root, kubelet_process=True, hold_health=True) as node:
+            await node.kubelet.next_event("registered")
+            await node.status("dra: registered with kubelet")
+            await node.kubelet.restart()
+            await node.kubelet.next_event("registered")  # after the daemon answered its notice
+            await health_held(node)
+            # the new kubelet's kubelet.sock events, whenever they are read, leave it registered
+            assert node.running.daemon.status_line().startswith("dra: registered with kubelet")

@@ -6,7 +6,9 @@ answers; the daemon runs on the test's loop with the fake kernel and kubelet. No
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from pathlib import Path
 
 from ate_devplugd.config import Config
@@ -165,3 +167,132 @@ class TestNeverInTheWay:
         finally:
             await runtime.stop()
             await notify.close()
+
+
+async def restarted(runtime: FakeRuntime, enable_cdi: bool, spec_dirs: list[str]) -> FakeRuntime:
+    """The runtime stopped and started again as containerd is (``systemctl restart``): it removes its socket
+    as it stops, and removes a stale one, then binds anew, as it starts; the new one has ``enable_cdi``."""
+    await stopped(runtime)
+    return await started(runtime.socket, enable_cdi, spec_dirs)
+
+
+async def stopped(runtime: FakeRuntime) -> None:
+    await runtime.stop()
+    with contextlib.suppress(FileNotFoundError):
+        runtime.socket.unlink()
+
+
+async def started(socket: Path, enable_cdi: bool, spec_dirs: list[str]) -> FakeRuntime:
+    with contextlib.suppress(FileNotFoundError):
+        socket.unlink()
+    return await FakeRuntime(socket, "containerd", "1.7.24", containerd_info(enable_cdi, spec_dirs)).start()
+
+
+def verdict_line(verdict: str, runtime: str = "containerd 1.7.24") -> str:
+    return f'ate_devplugd_runtime_cdi{{runtime="{runtime}",verdict="{verdict}"}} 1'
+
+
+class TestFollowsTheRuntime:
+    """The verdict follows the runtime's socket (inotify on its directory): unknown as soon as it goes,
+    asked again when it is created, with nothing else (no reload, no kubelet) happening."""
+
+    async def test_restarts_with_enable_cdi_toggled(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Each restart with enable_cdi toggled: STATUS and the metric say "unknown" once the socket is gone,
+        then the new verdict once it is back; one question per start. The latencies are printed."""
+        cdi = [str(plugin_dir.parent / "cdi")]
+        socket = tmp_path / "runtime.sock"
+        runtime = await started(socket, False, cdi)
+        notify = NotifyReceiver(tmp_path / "notify")
+        prom = tmp_path / "m.prom"
+        config = dataclasses.replace(cdi_config(plugin_dir, fake_root, tmp_path), metrics_file=str(prom))
+        gone: list[float] = []
+        back: list[float] = []
+        files: list[float] = []
+        try:
+            async with daemon_in_process(config, kernel, notify=notify.path) as running:
+                await notify.wait_for(lambda f: "cdi: containerd 1.7.24 ignores CDI" in f.get("STATUS", ""))
+                await wait_for_content(prom, verdict_line("not_applied"))
+                for enable in (True, False, True, False):
+                    asked = runtime.calls.count("Version")
+                    notify.forget()
+                    began = time.monotonic()
+                    await stopped(runtime)
+                    at, _ = await notify.wait_stamped(
+                        lambda f: "cdi: unknown whether CDI is applied (no runtime socket at" in f.get("STATUS", "")
+                    )
+                    await wait_for_content(prom, verdict_line("unknown", runtime=""))
+                    files.append(time.monotonic() - began)
+                    gone.append(at - began)
+                    notify.forget()
+                    began = time.monotonic()
+                    runtime = await started(socket, enable, cdi)
+                    said = "cdi: containerd 1.7.24 " + ("applies CDI" if enable else "ignores CDI")
+                    at, _ = await notify.wait_stamped(lambda f, said=said: said in f.get("STATUS", ""))
+                    await wait_for_content(prom, verdict_line("applied" if enable else "not_applied"))
+                    files.append(time.monotonic() - began)
+                    back.append(at - began)
+                    assert runtime.calls.count("Version") == 1, (asked, runtime.calls)
+                # one journal line per verdict change, the gone runtime's at info
+                assert len(running.events.named(EVENT_NOT_APPLIED)) == 3
+        finally:
+            await runtime.stop()
+            await notify.close()
+        print(f"STATUS unknown after the socket went: {fmt(gone)}; new verdict after it came back: {fmt(back)}")
+        print(f"metrics file seen following: {fmt(files)}")
+        assert max(gone) < 2.0 and max(back) < 2.0 and max(files) < 3.0, (gone, back, files)
+
+    async def test_restart_in_one_burst_is_one_question(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Socket removed and created again at once (and a ttrpc socket beside it, as containerd has): one
+        question to the new runtime, and its verdict shown."""
+        cdi = [str(plugin_dir.parent / "cdi")]
+        socket = tmp_path / "runtime.sock"
+        runtime = await started(socket, False, cdi)
+        notify = NotifyReceiver(tmp_path / "notify")
+        try:
+            async with daemon_in_process(cdi_config(plugin_dir, fake_root, tmp_path), kernel, notify=notify.path):
+                await notify.wait_for(lambda f: "ignores CDI" in f.get("STATUS", ""))
+                old = runtime
+                runtime = FakeRuntime(socket, "containerd", "1.7.24", containerd_info(True, cdi))
+                began = time.monotonic()
+                socket.unlink()  # the old server still holds its listening socket: no window without one
+                await runtime.start()
+                (tmp_path / "runtime.sock.ttrpc").touch()
+                at, _ = await notify.wait_stamped(lambda f: "applies CDI" in f.get("STATUS", ""))
+                print(f"new verdict {1000 * (at - began):.1f} ms after the socket was re-created")
+                assert runtime.calls == ["Version", "Status"]
+                await old.stop()
+        finally:
+            await runtime.stop()
+            await notify.close()
+
+    async def test_socket_directory_created_later(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """runtime_socket in a directory that does not exist yet (containerd installed after the daemon
+        started): unknown, then the verdict once the directory and the socket appear."""
+        socket = tmp_path / "run" / "containerd" / "containerd.sock"
+        config = dataclasses.replace(cdi_config(plugin_dir, fake_root, tmp_path), runtime_socket=str(socket))
+        notify = NotifyReceiver(tmp_path / "notify")
+        runtime: FakeRuntime | None = None
+        try:
+            async with daemon_in_process(config, kernel, notify=notify.path):
+                await notify.wait_for(
+                    lambda f: (
+                        f"cdi: unknown whether CDI is applied (no runtime socket at {socket})" in f.get("STATUS", "")
+                    )
+                )
+                socket.parent.mkdir(parents=True)
+                runtime = await started(socket, False, [str(plugin_dir.parent / "cdi")])
+                await notify.wait_for(lambda f: "cdi: containerd 1.7.24 ignores CDI" in f.get("STATUS", ""))
+        finally:
+            if runtime is not None:
+                await runtime.stop()
+            await notify.close()
+
+
+def fmt(seconds: list[float]) -> str:
+    return ", ".join(f"{1000 * s:.1f}" for s in seconds) + " ms"

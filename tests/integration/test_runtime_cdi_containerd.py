@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from ate_devplugd.kernel import UdevKernelView
 from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME, CdiVerdict
 from tests.fakes.kubelet import FakeKubelet
 from tests.podman import NodeStat
-from tests.runtimes.containerd import CheckerRun, ContainerdBuild, Images, run_allocated, running
+from tests.runtimes.containerd import CheckerRun, Containerd, ContainerdBuild, Images, run_allocated, running
 from tests.support import (
     RESOURCE,
     KvmAllocation,
@@ -182,3 +183,55 @@ class TestContainerd16:
         """containerd 1.6 has no CDI: not applied, and the VMM gets EACCES."""
         said = await observe(containerd_16, cri_images, tmp_path, CdiVerdict.NOT_APPLIED)
         assert_said(said, CdiVerdict.NOT_APPLIED, "ignores CDI (no CDI before containerd 1.7)", Level.FAIL)
+
+
+async def follow_restarts(build: ContainerdBuild, tmp_path: Path, starts: list[tuple[bool | None, str]]) -> None:
+    """containerd started with each ``enable_cdi`` in turn (``systemctl restart`` with the config changed
+    between), nothing else happening: STATUS must say "unknown" once it stopped, then end with each
+    start's verdict. The latencies are printed."""
+    cdi = tmp_path / "cdi"  # the daemon's cdi_dir
+    workdir = tmp_path / "containerd"
+    enable, expected = starts[0]
+    rt = await Containerd.start(build, workdir, enable_cdi=enable, cdi_spec_dirs=[cdi])
+    config, _ = daemon_config(tmp_path, rt.socket)
+    notify = NotifyReceiver(tmp_path / "notify")
+    gone: list[float] = []
+    back: list[float] = []
+    try:
+        async with daemon_in_process(config, UdevKernelView(), notify=notify.path):
+            await notify.wait_for(lambda f: f.get("STATUS", "").endswith(expected), timeout=30)
+            for enable, expected in starts[1:]:
+                notify.forget()
+                began = time.monotonic()
+                await rt.stop()
+                at, _ = await notify.wait_stamped(
+                    lambda f: "cdi: unknown whether CDI is applied (no runtime socket at" in f.get("STATUS", ""),
+                    timeout=30,
+                )
+                gone.append(at - began)
+                notify.forget()
+                began = time.monotonic()
+                rt = await Containerd.start(build, workdir, enable_cdi=enable, cdi_spec_dirs=[cdi])
+                at, status = await notify.wait_stamped(
+                    lambda f, end=expected: f.get("STATUS", "").endswith(end), timeout=30
+                )
+                back.append(at - began)
+                print(status["STATUS"])
+    finally:
+        await rt.stop()
+        await notify.close()
+    ms = lambda values: ", ".join(f"{1000 * v:.0f}" for v in values)  # noqa: E731
+    print(f"containerd {build.version}: STATUS unknown {ms(gone)} ms after SIGTERM; verdict {ms(back)} ms after start")
+
+
+class TestFollowsRestarts:
+    async def test_containerd_17_enable_cdi_toggled(self, containerd_17: ContainerdBuild, tmp_path: Path) -> None:
+        """containerd 1.7 restarted with enable_cdi off, on, off: STATUS follows each start."""
+        cdi = tmp_path / "cdi"
+        off, on = "ignores CDI (enable_cdi = false)", f"applies CDI (reads {cdi})"
+        await follow_restarts(containerd_17, tmp_path, [(False, off), (True, on), (False, off), (True, on)])
+
+    async def test_containerd_16_restarted(self, containerd_16: ContainerdBuild, tmp_path: Path) -> None:
+        """containerd 1.6 restarted: unknown while it is down, its verdict again once it is back."""
+        verdict = "ignores CDI (no CDI before containerd 1.7)"
+        await follow_restarts(containerd_16, tmp_path, [(None, verdict)] * 3)

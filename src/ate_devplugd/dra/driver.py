@@ -15,6 +15,7 @@ import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import grpc
 
@@ -28,6 +29,7 @@ from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.pools import DraResource, build_pools, devices_text
 from ate_devplugd.dra.prepare import Preparer
+from ate_devplugd.dra.presence import Presence
 from ate_devplugd.dra.service import (
     DraPluginV1,
     DraPluginV1beta1,
@@ -43,9 +45,24 @@ log = logging.getLogger(__name__)
 
 class KubeletState(enum.Enum):
     STOPPED = "stopped"
+    #: Serving, and no kubelet has registered the driver yet (or a new kubelet has not yet).
     WAITING = "waiting for kubelet"
     REGISTERED = "registered with kubelet"
     REFUSED = "kubelet refused the registration"
+    #: The kubelet that registered the driver stopped: nothing holds the registration until one starts.
+    GONE = "kubelet gone, not registered"
+
+
+class KubeletFollower(Protocol):
+    """Whether the kubelet that registered the driver is still there (``presence.KubeletPresence``)."""
+
+    def start(self) -> None: ...
+
+    def registered(self) -> None: ...
+
+    def holds(self) -> Presence: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,7 @@ class DraDriver:
         backoff: tuple[float, float] = (0.5, 30.0),
         on_status: Callable[[DraStatus], None] | None = None,
         metrics: DraMetrics | None = None,
+        kubelet: KubeletFollower | None = None,
     ) -> None:
         pools, errors = build_pools(config, resources)
         if errors:
@@ -97,6 +115,9 @@ class DraDriver:
         self.metrics = metrics or DraMetrics(config.driver, config.sharing, [p.resource for p in pools])
         self.kubelet = KubeletState.STOPPED
         self._kubelet_detail = ""
+        #: Follows the kubelet that registered the driver (None: the registration is taken as it was told).
+        self._follower = kubelet
+        self._ever_registered = False
         self.publisher = SlicePublisher(
             config,
             pools,
@@ -105,7 +126,7 @@ class DraDriver:
             on_change=self._notify,
             metrics=self.metrics,
         )
-        self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False))
+        self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False), self.kubelet_changed)
         self.preparer = Preparer(config.driver, pools, self.publisher.files, self.publisher.present, self.metrics)
         self._plugin = UnixServer(config.plugin_socket, self._add_plugin_services)
         self._registration = UnixServer(config.registration_socket, self._add_registration_service)
@@ -131,6 +152,8 @@ class DraDriver:
             await self._plugin.stop(None)
             raise
         self.kubelet = KubeletState.WAITING
+        if self._follower is not None:
+            self._follower.start()
         EventLog(log).info(
             "dra-serving",
             "dra: serving %s; registration socket %s",
@@ -184,11 +207,42 @@ class DraDriver:
         await self._registration.stop()
         await self._plugin.stop()
         await self.preparer.close()
+        if self._follower is not None:
+            self._follower.close()
         self.kubelet = KubeletState.STOPPED
+        self._notify()
+
+    def kubelet_changed(self) -> None:
+        """A hint that the kubelet which registered the driver may be gone (its process ended, it ended
+        its health stream, its kubelet.sock went or came): look, and say so if it is no longer there.
+        kubelet registers the driver again when it starts (``NotifyRegistrationStatus``)."""
+        if self._follower is None or not self._ever_registered or self.kubelet is KubeletState.STOPPED:
+            return
+        seen = self._follower.holds()
+        if seen is Presence.HOLDS:
+            return
+        state = KubeletState.GONE if seen is Presence.GONE else KubeletState.WAITING
+        if state is self.kubelet:
+            return
+        self.kubelet = state
+        self._kubelet_detail = ""
+        if state is KubeletState.GONE:
+            EventLog(log).info(
+                "dra-kubelet-gone",
+                "dra: kubelet is gone; %s is registered again when kubelet starts",
+                self.config.driver,
+            )
+        else:
+            EventLog(log).info(
+                "dra-kubelet-restart", "dra: kubelet started again; waiting for it to register %s", self.config.driver
+            )
         self._notify()
 
     def _registration_status(self, registered: bool, error: str) -> None:
         self.metrics.registration(registered)
+        self._ever_registered = True
+        if self._follower is not None:
+            self._follower.registered()  # this kubelet, remembered and followed from now on
         if registered:
             self.kubelet = KubeletState.REGISTERED
             self._kubelet_detail = ""

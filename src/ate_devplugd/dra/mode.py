@@ -10,6 +10,11 @@ It also keeps the daemon's per-resource gauges true for DRA mode, from state, af
 status change of the driver: registered = kubelet holds the driver's registration; advertised units =
 the devices in the resource's published slice (healthy units the same, while the device is healthy).
 DRA's own series come from ``dra.metrics.DraMetrics``, rendered with the daemon's.
+
+kubelet registers the driver once and says nothing when it stops: ``dra.presence.KubeletPresence``
+follows the kubelet that registered it (its process, its kubelet.sock in the daemon's watched plugin
+directory, its health stream), so STATUS and the registered gauge say "kubelet gone, not registered" when
+it stops, and registered again when the next kubelet registers the driver.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.driver import DraDriver, DraStatus, KubeletState
 from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.pools import DraResource
+from ate_devplugd.dra.presence import KubeletPresence
+from ate_devplugd.kubelet_watch import KubeletWatch
 from ate_devplugd.logs import EventLog
 from ate_devplugd.metrics import Metrics
 
@@ -33,12 +40,19 @@ class DraMode:
     """The DRA driver of this node, fed by the device registry."""
 
     def __init__(
-        self, config: DraConfig, registry: DeviceRegistry, metrics: Metrics, on_state: Callable[[], None]
+        self,
+        config: DraConfig,
+        registry: DeviceRegistry,
+        metrics: Metrics,
+        on_state: Callable[[], None],
+        watch: KubeletWatch | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
         self._metrics = metrics
         self._on_state = on_state
+        #: The daemon's watch of the device-plugin directory: kubelet.sock there is kubelet's, in DRA mode too.
+        self._watch = watch
         self._driver: DraDriver | None = None
 
     async def start(self, names: list[str] | tuple[str, ...]) -> None:
@@ -54,7 +68,10 @@ class DraMode:
         resources = [self._registry.resources[name] for name in names]
         offered = [DraResource(r.name, qualified_name(r.config)) for r in resources]
         dra_metrics = DraMetrics(self._config.driver, self._config.sharing, names, shared=self._metrics)
-        self._driver = DraDriver(self._config, offered, on_status=self._status_changed, metrics=dra_metrics)
+        follower = KubeletPresence(self._watch, self._kubelet_hint) if self._watch is not None else None
+        self._driver = DraDriver(
+            self._config, offered, on_status=self._status_changed, metrics=dra_metrics, kubelet=follower
+        )
         self._metrics.add_source(dra_metrics)
         for resource in resources:
             self.looked(resource)
@@ -79,6 +96,10 @@ class DraMode:
             self._driver.set_cdi_id(resource.name, qualified_name(resource.config))
             self._driver.set_health(resource.name, resource.healthy)
         self._update_metrics()
+
+    def _kubelet_hint(self) -> None:
+        if self._driver is not None:
+            self._driver.kubelet_changed()
 
     def status_line(self) -> str:
         return str(self._driver.status()) if self._driver is not None else "dra: starting"

@@ -98,9 +98,16 @@ class DraPluginV1beta1(_PrepareMixin, v1beta1_grpc.DRAPluginServicer):
 class HealthServicer(health_grpc.DRAResourceHealthServicer):
     """NodeWatchResources: every device with its health at once, then again after each change."""
 
-    def __init__(self, pool_list: Sequence[Pool], present: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        pool_list: Sequence[Pool],
+        present: Callable[[str], bool],
+        on_ended: Callable[[], None] | None = None,
+    ) -> None:
         self._pools = list(pool_list)
         self._present = present
+        #: Called when kubelet ends a stream (it does when it stops): a hint that kubelet may be gone.
+        self._on_ended = on_ended
         self._changed = asyncio.Event()
         #: Streams end while this is set; the driver clears it when it starts (again).
         self.closed = False
@@ -138,10 +145,14 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
         self, request: health_pb2.NodeWatchResourcesRequest, context: Context
     ) -> AsyncIterator[health_pb2.NodeWatchResourcesResponse]:
         # Ends only when kubelet cancels (CancelledError, left to propagate) or close() is called.
-        while not self.closed:
-            changed = self._changed  # taken before the state is read, so no change is missed
-            yield self.snapshot()
-            await changed.wait()
+        try:
+            while not self.closed:
+                changed = self._changed  # taken before the state is read, so no change is missed
+                yield self.snapshot()
+                await changed.wait()
+        finally:
+            if not self.closed and self._on_ended is not None:
+                self._on_ended()
 
 
 class RegistrationServicer(reg_grpc.RegistrationServicer):

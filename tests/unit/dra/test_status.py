@@ -21,6 +21,10 @@ class TestStatus:
                 "dra: waiting for kubelet, slice published (no device present)",
             ),
             (
+                DraStatus(KubeletState.GONE, SliceState.PUBLISHED, 128),
+                "dra: kubelet gone, not registered, slice published (128 devices)",
+            ),
+            (
                 DraStatus(KubeletState.REGISTERED, SliceState.REPUBLISHING, 0),
                 "dra: registered with kubelet, slices deleted, publishing again",
             ),
