@@ -13,6 +13,13 @@ look before the call and its connect (a new kubelet removing the stale socket an
 longer matters, nor does the order in which the events arrive. A different kubelet.sock later is a kubelet
 the session has not registered with.
 
+A file's identity is its device, inode number and ctime, and a filesystem hands a freed inode number to
+the next file at once (ext4 does); two kubelet.sock files created within one tick of the coarse clock
+would then look alike. So the watch holds each kubelet.sock it hands out open (``O_PATH``: no I/O, no
+lock, nothing kubelet can see but a removed file's inode kept a little longer), the last ``HELD`` of
+them: while held, an inode cannot pass to a later file, and a look can never mistake a new kubelet for
+the one a session registered with.
+
 Why our socket went: kubelet's start-up wipe (``CleanupPluginDirectory``) lists the directory with
 ``Readdirnames``, which does not sort, and removes every socket in the filesystem's directory order (tmpfs:
 newest first; ext4: hash order); only then does it bind its new kubelet.sock. A killed kubelet leaves its
@@ -28,6 +35,7 @@ import enum
 import logging
 import os
 import posixpath
+from collections import OrderedDict
 from collections.abc import Callable
 
 from ate_devplugd.inotify import DirEvent, DirWatcher
@@ -37,6 +45,9 @@ from ate_devplugd.unixsock import FileIdentity, socket_answers
 log = logging.getLogger("ate_devplugd")
 
 KUBELET_SOCKET = "kubelet.sock"
+#: kubelet.sock files held open at once (see the module doc); a session only ever compares against one
+#: of the last few it looked at.
+HELD = 4
 
 
 class SocketLoss(enum.Enum):
@@ -56,6 +67,8 @@ class KubeletWatch:
         self.kubelet_socket = posixpath.join(plugin_dir, KUBELET_SOCKET)
         self._subscribers: dict[str, list[Callable[[], None]]] = {}
         self._dir = DirWatcher(plugin_dir, self._on_events)
+        #: The kubelet.sock files handed out last, each with the O_PATH descriptor that holds its inode.
+        self._held: OrderedDict[FileIdentity, int] = OrderedDict()
         self._events = EventLog(log)
 
     def start(self) -> None:
@@ -64,6 +77,9 @@ class KubeletWatch:
 
     def close(self) -> None:
         self._dir.close()
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
 
     def subscribe(self, socket_name: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` on events about kubelet, the directory or ``socket_name``; returns the undo."""
@@ -82,8 +98,22 @@ class KubeletWatch:
         return os.path.isdir(self.plugin_dir)
 
     def kubelet(self) -> FileIdentity | None:
-        """The kubelet.sock there now (None when there is none): which kubelet a Register would reach."""
-        return FileIdentity.of(self.kubelet_socket)
+        """The kubelet.sock there now (None when there is none): which kubelet a Register would reach. Its
+        inode is held until ``HELD`` other files have been seen (see the module doc)."""
+        try:
+            fd = os.open(self.kubelet_socket, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        identity = FileIdentity(st.st_dev, st.st_ino, st.st_ctime_ns)
+        if identity in self._held:
+            os.close(fd)
+            self._held.move_to_end(identity)
+        else:
+            self._held[identity] = fd
+            while len(self._held) > HELD:
+                os.close(self._held.popitem(last=False)[1])
+        return identity
 
     def answers(self) -> bool:
         """Whether a kubelet listens on kubelet.sock now."""

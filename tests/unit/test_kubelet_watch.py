@@ -4,10 +4,11 @@ why a socket went."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 
-from ate_devplugd.kubelet_watch import KubeletWatch, SocketLoss
+from ate_devplugd.kubelet_watch import HELD, KubeletWatch, SocketLoss
 
 
 def dead_socket(path: Path) -> None:
@@ -59,6 +60,26 @@ class TestKubelet:
             assert second is not None and second != first
         finally:
             watch.close()
+
+    async def test_a_new_file_never_takes_a_held_inode(self, plugin_dir: Path) -> None:
+        """kubelet.sock removed and made again at once, many times (a filesystem such as ext4 hands the
+        freed inode number to the next file, and two files of one clock tick share a ctime): each new one
+        is a new identity, since the watch holds the inode of the one it saw; the held files stay bounded."""
+        watch = KubeletWatch(str(plugin_dir))
+        watch.start()
+        fds_before = len(os.listdir("/proc/self/fd"))
+        try:
+            seen = watch.kubelet()
+            for _ in range(200):
+                dead_socket(plugin_dir / "kubelet.sock")
+                now = watch.kubelet()
+                assert now is not None and now != seen and (seen is None or now.ino != seen.ino)
+                seen = now
+                (plugin_dir / "kubelet.sock").unlink()
+            assert len(os.listdir("/proc/self/fd")) <= fds_before + HELD
+        finally:
+            watch.close()
+        assert len(os.listdir("/proc/self/fd")) <= fds_before
 
     async def test_subscribers_hear_their_socket_and_kubelet(self, plugin_dir: Path) -> None:
         """A subscriber is called for its own socket name and for kubelet.sock, not for others' files."""
