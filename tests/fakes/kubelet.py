@@ -332,12 +332,17 @@ class FakeKubelet:
         socket_path = str((self.dir / request.endpoint).resolve())
         channel = grpc.aio.insecure_channel("unix://" + socket_path)
         try:
-            await asyncio.wait_for(channel.channel_ready(), DIAL_TIMEOUT)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can turn this kubelet's own stop (a
+            # cancel) into a timeout, and a dying kubelet would answer as a live one that could not dial.
+            async with asyncio.timeout(DIAL_TIMEOUT):
+                await channel.channel_ready()
             stub = api_pb2_grpc.DevicePluginStub(channel)
             options = await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=DIAL_TIMEOUT)
         except (TimeoutError, grpc.aio.AioRpcError) as exc:
             await channel.close()
-            msg = f"failed to dial device plugin: {exc}"
+            if incarnation != self._incarnation:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet restarted while handling Register")
+            msg = f"failed to dial device plugin: {exc or 'context deadline exceeded'}"
             self._record(Event("register-rejected", name, request.endpoint, error=msg))
             await context.abort(grpc.StatusCode.UNKNOWN, msg)
 
