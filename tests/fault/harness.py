@@ -55,7 +55,9 @@ def cpu_overcommit(per_core: int = OVERCOMMIT_PER_CORE) -> Iterator[int]:
     import subprocess
 
     count = per_core * (os.cpu_count() or 1)
-    spinners = [subprocess.Popen(["/bin/sh", "-c", "while :; do :; done"]) for _ in range(count)]
+    # each spins only while this process lives: a test run killed outright leaves no CPU burners behind
+    spin = f"while kill -0 {os.getpid()} 2>/dev/null; do :; done"
+    spinners = [subprocess.Popen(["/bin/sh", "-c", spin]) for _ in range(count)]
     try:
         yield count
     finally:
