@@ -330,7 +330,10 @@ class FakeKubelet:
             await context.abort(grpc.StatusCode.UNKNOWN, msg)
 
         socket_path = str((self.dir / request.endpoint).resolve())
-        channel = grpc.aio.insecure_channel("unix://" + socket_path)
+        # A connection of its own, as each kubelet ClientConn has: gRPC in Python shares one per address
+        # among a process's channels, with its failures and reconnect back-off, so after a storm of plugin
+        # sockets wiped under it a new dial could wait out a back-off grown past the 10 s dial timeout.
+        channel = grpc.aio.insecure_channel("unix://" + socket_path, options=(("grpc.use_local_subchannel_pool", 1),))
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can turn this kubelet's own stop (a
             # cancel) into a timeout, and a dying kubelet would answer as a live one that could not dial.
@@ -342,7 +345,7 @@ class FakeKubelet:
             await channel.close()
             if incarnation != self._incarnation:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet restarted while handling Register")
-            msg = f"failed to dial device plugin: {exc or 'context deadline exceeded'}"
+            msg = f"failed to dial device plugin: {str(exc) or 'context deadline exceeded'}"
             self._record(Event("register-rejected", name, request.endpoint, error=msg))
             await context.abort(grpc.StatusCode.UNKNOWN, msg)
 
