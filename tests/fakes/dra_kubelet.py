@@ -57,7 +57,7 @@ WIPING_DELAY = 30.0
 #: kubelet's device-manager checkpoint, which its start leaves in the device-plugin directory.
 CHECKPOINT = "kubelet_internal_checkpoint"
 #: kubelet's device manager as far as a DRA driver sees it: a process listening on kubelet.sock.
-_LISTENER = """
+LISTENER = """
 import socket, sys
 server = socket.socket(socket.AF_UNIX)
 server.bind(sys.argv[1])
@@ -135,7 +135,7 @@ class FakeDraKubelet:
             if entry != CHECKPOINT and not path.is_dir():
                 path.unlink(missing_ok=True)
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _LISTENER, str(directory / "kubelet.sock"), stdout=asyncio.subprocess.PIPE
+            sys.executable, "-c", LISTENER, str(directory / "kubelet.sock"), stdout=asyncio.subprocess.PIPE
         )
         assert self.process.stdout is not None
         async with asyncio.timeout(10):

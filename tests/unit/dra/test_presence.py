@@ -17,16 +17,7 @@ from ate_devplugd.dra.driver import DraDriver, KubeletState
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.presence import KubeletPresence, Presence, listener_pid
 from ate_devplugd.kubelet_watch import KubeletWatch
-
-LISTENER = """
-import socket, sys
-server = socket.socket(socket.AF_UNIX)
-server.bind(sys.argv[1])
-server.listen()
-print("listening", flush=True)
-while True:
-    server.accept()[0].close()
-"""
+from tests.fakes.dra_kubelet import LISTENER
 
 
 @contextlib.asynccontextmanager
