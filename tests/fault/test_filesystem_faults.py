@@ -43,8 +43,9 @@ EPISODE = scale(15, 100) / 10
 #: Generous: gRPC core's own threads are billed to the daemon, and on a loaded 2-core machine the
 #: same idle work costs several times more CPU; a spin still misses it by far. The figure is printed.
 CPU_SHARE = 0.35
-#: From the fault's end (signalled by a new kubelet.sock) to kubelet's "register".
-RECOVER_WITHIN = 3.0
+#: From the fault's end (signalled by a new kubelet.sock) to kubelet's "register": milliseconds on a quiet
+#: machine; 3 s was missed once with two test suites running beside it, so a loaded machine's bound.
+RECOVER_WITHIN = 10.0
 
 
 @contextlib.asynccontextmanager
