@@ -45,6 +45,7 @@ from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.kernel import KernelView, NodeStat, UdevKernelView
 from ate_devplugd.logs import FIELD_EVENT
 from ate_devplugd.notify import Notifier
+from ate_devplugd.unixsock import unix_target
 from tests.fakes.kubelet import FakeKubelet
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -147,7 +148,7 @@ async def served(
     server = endpoint.PluginServer(resource, str(directory / resource.config.socket_name))
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(endpoint.unix_target(server.socket_path)) as channel:
+        async with grpc.aio.insecure_channel(unix_target(server.socket_path)) as channel:
             yield server, api_pb2_grpc.DevicePluginStub(channel)
     finally:
         await server.stop()

@@ -22,17 +22,11 @@ from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.device_config import max_request_bytes
 from ate_devplugd.devices import Resource
 from ate_devplugd.servicer import AllocateCounter, DevicePluginServicer
-from ate_devplugd.unixsock import FileIdentity
+from ate_devplugd.unixsock import ONE_ATTEMPT, FileIdentity, unix_target
 
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
-#: Channel options for our calls: gRPC itself does not retry them. The daemon retries Register with
-#: back-off, and a new kubelet.sock ends the wait. With gRPC's retries on (its default), grpcio 1.85
-#: sometimes never finished a Register cut off by a stopping kubelet's GOAWAY and allocated without
-#: bound until the call's deadline: over 4 GB in 15 s, in 4 of 13 storms of 1,000 kubelet restarts; in
-#: none of 20 with them off.
-ONE_ATTEMPT = (("grpc.enable_retries", 0),)
 #: kubelet itself waits up to 10 s to dial back; a Register slower than this has failed.
 #: The environment variable ATE_DEVPLUGD_REGISTER_TIMEOUT (seconds) overrides it; the fault tests
 #: use it to stand a hung kubelet for less than 15 s.
@@ -52,10 +46,6 @@ class SocketGoneError(Exception):
 
     def __init__(self, path: str) -> None:
         super().__init__(f"{path} was removed while it was being served")
-
-
-def unix_target(path: str) -> str:
-    return "unix://" + os.path.abspath(path)
 
 
 def check_socket_free(path: str) -> None:

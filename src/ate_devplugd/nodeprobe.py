@@ -15,9 +15,9 @@ import grpc
 
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.devices import HEALTHY
-from ate_devplugd.endpoint import unix_target
 from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.servicer import TOOL_METADATA
+from ate_devplugd.unixsock import unix_target
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from ate_devplugd._pb.podresources.v1 import api_pb2, api_pb2_grpc
+from ate_devplugd.unixsock import ONE_ATTEMPT, unix_target
 
 #: Beside the device-plugin directory, under kubelet's root directory.
 SOCKET = "pod-resources/kubelet.sock"
@@ -41,8 +42,7 @@ async def allocatable(socket_path: str, timeout: float) -> Allocatable:
     """Ask kubelet which device units it holds as allocatable; raises ``Unanswered`` with the reason."""
     if not os.path.exists(socket_path):
         raise Unanswered(f"no {socket_path}")
-    options = (("grpc.enable_retries", 0),)
-    async with grpc.aio.insecure_channel("unix://" + os.path.abspath(socket_path), options=options) as channel:
+    async with grpc.aio.insecure_channel(unix_target(socket_path), options=ONE_ATTEMPT) as channel:
         stub = api_pb2_grpc.PodResourcesListerStub(channel)
         try:
             response = await stub.GetAllocatableResources(api_pb2.AllocatableResourcesRequest(), timeout=timeout)

@@ -240,7 +240,7 @@ async def ask(configured_socket: str, cdi_dir: str, timeout: float = ASK_TIMEOUT
     import grpc  # noqa: PLC0415 - the doctor imports this module before it needs gRPC
 
     from ate_devplugd._pb.cri.v1 import api_pb2, api_pb2_grpc  # noqa: PLC0415
-    from ate_devplugd.endpoint import unix_target  # noqa: PLC0415
+    from ate_devplugd.unixsock import unix_target  # noqa: PLC0415
 
     absent = absent_report(configured_socket)
     if absent is not None:

@@ -11,6 +11,17 @@ import os
 import socket
 from dataclasses import dataclass
 
+#: Channel options for calls to a unix socket that the caller retries itself: gRPC does not retry them.
+#: With gRPC's retries on (its default), grpcio 1.85 sometimes never finished a Register cut off by a
+#: stopping kubelet's GOAWAY and allocated without bound until the call's deadline: over 4 GB in 15 s,
+#: in 4 of 13 storms of 1,000 kubelet restarts; in none of 20 with them off.
+ONE_ATTEMPT = (("grpc.enable_retries", 0),)
+
+
+def unix_target(path: str) -> str:
+    """A gRPC target for the unix socket ``path``."""
+    return "unix://" + os.path.abspath(path)
+
 
 @dataclass(frozen=True)
 class FileIdentity:

@@ -12,6 +12,7 @@ from ate_devplugd import endpoint
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.device_config import max_request_bytes
 from ate_devplugd.devices import Presence
+from ate_devplugd.unixsock import unix_target
 from tests.support import GONE, PRESENT, alloc, kvm_resource, served
 
 
@@ -68,7 +69,7 @@ class TestDevicePluginService:
         res = kvm_resource()
         server = endpoint.PluginServer(res, str(tmp_path / "p.sock"))
         await server.start()
-        async with grpc.aio.insecure_channel(endpoint.unix_target(server.socket_path)) as channel:
+        async with grpc.aio.insecure_channel(unix_target(server.socket_path)) as channel:
             call = api_pb2_grpc.DevicePluginStub(channel).ListAndWatch(api_pb2.Empty())
             await call.read()
             await server.stop()
@@ -95,7 +96,7 @@ class TestDevicePluginService:
         """With CDI off (the default) the response is byte for byte the DeviceSpec-only one."""
         async with (
             served(tmp_path, kvm_resource()) as (server, _),
-            grpc.aio.insecure_channel(endpoint.unix_target(server.socket_path)) as channel,
+            grpc.aio.insecure_channel(unix_target(server.socket_path)) as channel,
         ):
             allocate = channel.unary_unary(
                 "/v1beta1.DevicePlugin/Allocate", request_serializer=api_pb2.AllocateRequest.SerializeToString
