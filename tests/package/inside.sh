@@ -80,6 +80,8 @@ now() { python3 -c 'import time; print(time.time())'; }
 cursor() { journalctl -n 0 --show-cursor -q | sed -n 's/^-- cursor: //p'; }
 kubelet_event() { "${wait_event[@]}" kubelet "$klog" "$@"; }
 journal_record() { "${wait_event[@]}" journal "$unit" "$@"; }
+# unit_log CURSOR: the unit's messages after CURSOR (not `journalctl -u U --after-cursor C`: see wait_event.py).
+unit_log() { "${wait_event[@]}" journal-text "$unit" --after-cursor "$1"; }
 set_count() { sed -i "s/^count = [0-9]*/count = $1/" "$conf"; }
 total_after() {  # total_after T N: a ListAndWatch of N devices arrives after T
     kubelet_event --after "$1" --timeout 60 list resource=ate.dev/kvm total="$2" >/dev/null
@@ -246,7 +248,7 @@ reload_refused() {
     say "systemctl reload (count = 0): $out"
     printf '%s' "$out" | grep -qF "$unit failed" || { say "systemctl did not say the job failed"; rc=1; }
     journal_record --after-cursor "$c" --timeout 30 ATE_EVENT=reload-failed >/dev/null || rc=1
-    wait_for 30 sh -c "journalctl -u $unit --after-cursor '$c' -o cat | grep -q '^ate-devplugd: config error: .*count: 0 must be'" ||
+    wait_for 30 sh -c "${wait_event[*]} journal-text $unit --after-cursor '$c' | grep -q '^ate-devplugd: config error: .*count: 0 must be'" ||
         { say "check-config's error is not in the unit's journal"; rc=1; }
     wait_for 30 sh -c "systemctl show -P StatusText $unit | grep -q ' | reload refused [0-9][0-9]:[0-9][0-9]:[0-9][0-9]: .*count: 0 must be'" ||
         { say "STATUS does not say the reload was refused: $(prop StatusText)"; rc=1; }
@@ -293,7 +295,7 @@ bad_config() {
         expect_prop ActiveState failed && expect_prop SubState failed &&
         expect_prop NRestarts 0 &&
         journal_record --after-cursor "$c" --timeout 30 _PID="$(prop ExecMainPID)" >/dev/null &&
-        journalctl -u "$unit" --after-cursor "$c" --no-pager -o cat | grep -i 'count' >&2 &&
+        unit_log "$c" | grep -i 'count' >&2 &&
         [ ! -e "$sock" ]
 }
 check "bad config: start fails with 78, error in journal, no restart" bad_config
@@ -320,13 +322,13 @@ watchdog() {
     wait_for 10 sh -c "[ \"\$(systemctl show -P WatchdogTimestampMonotonic $unit)\" != '$ping' ]" ||
         { say "no watchdog ping seen"; rc=1; }
     kill -STOP "$pid"
-    wait_for 30 sh -c "journalctl -u $unit --after-cursor '$c' -o cat | grep -q 'Watchdog timeout'" &&
-        wait_for 60 sh -c "journalctl -u $unit --after-cursor '$c' -o cat | grep -q 'status=6/ABRT'" &&
+    wait_for 30 sh -c "${wait_event[*]} journal-text $unit --after-cursor '$c' | grep -q 'Watchdog timeout'" &&
+        wait_for 60 sh -c "${wait_event[*]} journal-text $unit --after-cursor '$c' | grep -q 'status=6/ABRT'" &&
         wait_for 60 sh -c "[ \"\$(systemctl show -P NRestarts $unit)\" = $((n + 1)) ]" &&
         wait_for 30 is_running &&
         [ "$(prop MainPID)" != "$pid" ] && ! kill -0 "$pid" 2>/dev/null &&
         kubelet_event --after "$t" --timeout 60 register resource=ate.dev/kvm >/dev/null || rc=1
-    journalctl -u "$unit" --after-cursor "$c" -o cat --no-pager | grep -E 'Watchdog|ABRT|Scheduled restart' >&2
+    unit_log "$c" | grep -E 'Watchdog|ABRT|Scheduled restart' >&2
     rm -f "/run/systemd/system/$unit.d/50-watchdog-test.conf"
     systemctl daemon-reload
     return "$rc"

@@ -3,13 +3,20 @@
 
     wait_event.py kubelet LOG [--after T] [--timeout S] EVENT [KEY=VALUE ...]
     wait_event.py journal UNIT [--after-cursor C] [--timeout S] [FIELD=VALUE ...]
+    wait_event.py journal-text UNIT --after-cursor C
+
 
 The first record that matches (every KEY=VALUE equal to the record's value, as
 text) is printed as JSON and the exit status is 0; after the timeout the
 status is 1 and the last records read are printed to stderr. Only the standard
 library is used, so it runs with any python3. It runs from the test's share,
 beside the fakes/ directory: the log is re-read when inotify says its directory
-changed, and the journal is followed by journalctl --follow.
+changed, and the journal is followed by journalctl --follow. journal-text prints
+the messages of the unit's records after the cursor, one per line.
+
+The unit's records are picked here, never with journalctl's own matches: with
+a cursor and a match (-u UNIT, or _SYSTEMD_UNIT=UNIT), journalctl 252 (Debian
+12) skipped a record that was there and that the unfiltered output showed.
 """
 
 import argparse
@@ -44,10 +51,18 @@ def read_kubelet(path: str, after: float) -> list[dict]:
     return records
 
 
+def of_unit(record: dict, unit: str) -> bool:
+    """What journalctl -u shows: the unit's own processes, and systemd's messages about the unit."""
+    return record.get("_SYSTEMD_UNIT") == unit or (record.get("_PID") == "1" and record.get("UNIT") == unit)
+
+
+def journal_cmd(cursor: str | None, *extra: str) -> list[str]:
+    cmd = ["journalctl", "--no-pager", "-o", "json", *extra]
+    return cmd + ["--after-cursor", cursor] if cursor else cmd
+
+
 def follow_journal(unit: str, cursor: str | None, wanted: dict[str, str], timeout: float) -> int:
-    cmd = ["journalctl", "--no-pager", "--no-tail", "--follow", "-o", "json", "-u", unit]
-    if cursor:
-        cmd += ["--after-cursor", cursor]
+    cmd = journal_cmd(cursor, "--no-tail", "--follow") if cursor else journal_cmd(None, "-b", "--no-tail", "--follow")
     deadline = time.monotonic() + timeout
     records: list[dict] = []
     pending = b""
@@ -64,6 +79,8 @@ def follow_journal(unit: str, cursor: str | None, wanted: dict[str, str], timeou
                     if not line.startswith(b"{"):
                         continue
                     record = json.loads(line)
+                    if not of_unit(record, unit):
+                        continue
                     records.append(record)
                     if matches(record, wanted):
                         print(json.dumps(record))
@@ -93,9 +110,19 @@ def timed_out(wanted: dict[str, str], timeout: float, records: list[dict]) -> in
     return 1
 
 
+def journal_text(unit: str, cursor: str | None) -> int:
+    out = subprocess.run(journal_cmd(cursor, "-b"), check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if of_unit(record, unit) and isinstance(record.get("MESSAGE"), str):
+                print(record["MESSAGE"])
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("source", choices=["kubelet", "journal"])
+    parser.add_argument("source", choices=["kubelet", "journal", "journal-text"])
     parser.add_argument("where", help="kubelet log file, or unit name")
     parser.add_argument("--after", type=float, default=0.0, help="kubelet records after this time")
     parser.add_argument("--after-cursor", help="journal records after this cursor")
@@ -103,6 +130,8 @@ def main() -> int:
     parser.add_argument("match", nargs="*", help="EVENT (kubelet only), then KEY=VALUE ...")
     args = parser.parse_intermixed_args()
 
+    if args.source == "journal-text":
+        return journal_text(args.where, args.after_cursor)
     terms = list(args.match)
     wanted: dict[str, str] = {}
     if args.source == "kubelet":
