@@ -58,7 +58,7 @@ def of_unit(record: dict, unit: str) -> bool:
 
 def journal_cmd(cursor: str | None, *extra: str) -> list[str]:
     cmd = ["journalctl", "--no-pager", "-o", "json", *extra]
-    return cmd + ["--after-cursor", cursor] if cursor else cmd
+    return [*cmd, "--after-cursor", cursor] if cursor else cmd
 
 
 def follow_journal(unit: str, cursor: str | None, wanted: dict[str, str], timeout: float) -> int:
