@@ -94,6 +94,12 @@ class DeviceConfig:
         return DEFAULT_CONTAINER_MODE if self.container_mode is None else self.container_mode
 
 
+def qualified_name(dev: DeviceConfig) -> str:
+    """The CDI name the runtime is given (by Allocate, or in DRA mode by the prepared claim): ``ate.dev/kvm=kvm``,
+    the spec's kind and its one device."""
+    return f"{dev.resource}={dev.cdi_name}"
+
+
 def count_cost(count: int) -> str:
     """What ``count`` units cost kubelet, for ``check-config``'s warning (the figures are in README)."""
     heap = count * KUBELET_BYTES_PER_UNIT / 2**20

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import pytest
 
 from ate_devplugd import config, device_config
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
+from tests.support import subprocess_env
 
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
 
@@ -255,3 +259,37 @@ class TestRestartOnly:
         """In $RUNTIME_DIRECTORY (its first entry) under systemd; /run/ate-devplugd otherwise."""
         assert config.running_config_path({}) == "/run/ate-devplugd/running-config.toml"
         assert config.running_config_path({"RUNTIME_DIRECTORY": "/run/x:/run/y"}) == "/run/x/running-config.toml"
+
+
+#: ``check-config`` as the command line runs it, in a fresh interpreter: its exit code and the modules it loaded.
+CHECK_CONFIG = """
+import contextlib, io, json, sys
+from ate_devplugd import cli
+with contextlib.redirect_stdout(io.StringIO()):
+    code = cli.main(["check-config", "--config", sys.argv[1]])
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+"""
+#: What only the daemon needs: the event loop, gRPC and the device registry (with its kernel view).
+DAEMON_ONLY = ("asyncio", "grpc", "ate_devplugd.devices")
+
+
+class TestCheckConfigImports:
+    @pytest.mark.parametrize(
+        "text", [KVM, 'mode = "dra"\n[dra]\nnode_name = "node-1"\n' + KVM], ids=["device-plugin", "dra"]
+    )
+    def test_loads_nothing_of_the_daemon(self, tmp_path: Path, text: str) -> None:
+        """Reading a config (DRA's included, whose checks name the CDI devices) loads none of the daemon's
+        modules: check-config, run by the unit's reload, stays quick."""
+        path = tmp_path / "config.toml"
+        path.write_text(text)
+        done = subprocess.run(
+            [sys.executable, "-c", CHECK_CONFIG, str(path)],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        result = json.loads(done.stdout)
+        assert result["code"] == 0, done.stderr
+        loaded = [name for name in result["modules"] if any(name == m or name.startswith(m + ".") for m in DAEMON_ONLY)]
+        assert loaded == []
