@@ -42,7 +42,6 @@ RESTART_ONLY = ("plugin_dir", "mode", "dra")
 __all__ = [
     "Config",
     "ConfigError",
-    "DeviceConfig",
     "diff",
     "load",
     "parse",

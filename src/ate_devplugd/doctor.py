@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 from ate_devplugd import config as configmod
 from ate_devplugd import devices, runtime_cdi
-from ate_devplugd.config import Config, ConfigError, DeviceConfig
+from ate_devplugd.config import Config, ConfigError
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.kernel import KernelView
 from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.lock import InstanceLock

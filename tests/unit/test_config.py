@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd import config, device_config
-from ate_devplugd.config import Config, ConfigError, DeviceConfig
+from ate_devplugd.config import Config, ConfigError
+from ate_devplugd.device_config import DeviceConfig
 from tests.support import subprocess_env
 
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
