@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import device_config
-from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, qualified_name, toml_str, toml_value
+from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, qualified_name
+from ate_devplugd.toml_text import toml_str, toml_value
 
 if TYPE_CHECKING:
     from ate_devplugd.dra.config import DraConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import config, device_config
+from ate_devplugd import config, device_config, toml_text
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.device_config import DeviceConfig
 from tests.support import subprocess_env
@@ -216,14 +216,14 @@ class TestTomlValue:
     def test_value_reads_back_as_toml(self, toml: str, written: str) -> None:
         """An error shows a value as TOML that reads back to the same value (not Python's repr)."""
         value = tomllib.loads(f"v = {toml}")["v"]
-        assert device_config.toml_value(value) == written
+        assert toml_text.toml_value(value) == written
         again = tomllib.loads(f"v = {written}")["v"]
         assert again == value or (math.isnan(value) and math.isnan(again))
 
     def test_mode_in_octal_and_unset(self) -> None:
         """A file mode is shown in octal, as written; a key not given is "unset", never None."""
-        assert device_config.toml_value(0o1777, octal=True) == "0o1777"
-        assert device_config.toml_value(None) == "unset"
+        assert toml_text.toml_value(0o1777, octal=True) == "0o1777"
+        assert toml_text.toml_value(None) == "unset"
 
 
 class TestRestartOnly:
