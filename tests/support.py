@@ -38,8 +38,9 @@ import pytest
 
 from ate_devplugd import endpoint
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
-from ate_devplugd.config import Config, DeviceConfig
+from ate_devplugd.config import Config
 from ate_devplugd.daemon import Daemon
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.devices import Presence, Resource
 from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.kernel import KernelView, NodeStat, UdevKernelView

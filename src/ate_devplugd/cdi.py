@@ -28,7 +28,7 @@ import posixpath
 from typing import Any
 
 from ate_devplugd import atomicfile
-from ate_devplugd.device_config import DeviceConfig
+from ate_devplugd.device_config import DeviceConfig, qualified_name
 from ate_devplugd.devices import Resource
 from ate_devplugd.logs import EventLog
 
@@ -39,11 +39,6 @@ log = logging.getLogger("ate_devplugd")
 #: and libraries from v0.5.4 on refuse anything below 0.3.0.
 CDI_VERSION = "0.3.0"
 SPEC_MODE = 0o644
-
-
-def qualified_name(dev: DeviceConfig) -> str:
-    """The name Allocate gives the runtime: ``ate.dev/kvm=kvm``."""
-    return f"{dev.resource}={dev.cdi_name}"
 
 
 def spec_path(cdi_dir: str, dev: DeviceConfig) -> str:

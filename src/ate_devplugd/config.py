@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd import device_config
-from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, toml_str, toml_value
+from ate_devplugd.device_config import DeviceConfig, GroupLookup, host_gid, qualified_name
+from ate_devplugd.toml_text import toml_str, toml_value
 
 if TYPE_CHECKING:
     from ate_devplugd.dra.config import DraConfig
@@ -42,7 +43,6 @@ RESTART_ONLY = ("plugin_dir", "mode", "dra")
 __all__ = [
     "Config",
     "ConfigError",
-    "DeviceConfig",
     "diff",
     "load",
     "parse",
@@ -210,7 +210,6 @@ def from_mapping(
         top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
     top["devices_defaulted"] = "device" not in data
     if mode == "dra" and not errors:
-        from ate_devplugd.cdi import qualified_name  # noqa: PLC0415
         from ate_devplugd.dra.pools import DraResource, build_pools  # noqa: PLC0415
 
         offered = [DraResource(dev.resource, qualified_name(dev)) for dev in top["devices"]]

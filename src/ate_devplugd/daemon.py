@@ -45,7 +45,8 @@ from ate_devplugd.logs import EventLog
 from ate_devplugd.metrics import Metrics
 from ate_devplugd.notify import Notifier, watchdog_interval
 from ate_devplugd.plugins import DevicePlugins
-from ate_devplugd.runtime_cdi import RuntimeCheck, RuntimeReport, wanted
+from ate_devplugd.runtime_cdi import RuntimeCheck, wanted
+from ate_devplugd.runtime_facts import RuntimeReport
 from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
 

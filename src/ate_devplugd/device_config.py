@@ -8,14 +8,14 @@ message) and from what the daemon accepts per request.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import grp
-import math
 import posixpath
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from ate_devplugd.toml_text import toml_str, toml_value
 
 DEFAULT_COUNT = 4096
 #: Upper bound on units per resource. The ListAndWatch message must also fit in MAX_MESSAGE_BYTES.
@@ -39,7 +39,6 @@ _SUBSYSTEM = re.compile(r"[a-z0-9][a-z0-9_-]*\Z")
 _CDI_VENDOR = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?\Z")
 _CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_-]*[A-Za-z0-9])?\Z")
 _CDI_DEVICE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?\Z")
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 GroupLookup = Callable[[str], int]
 
@@ -92,6 +91,12 @@ class DeviceConfig:
     def node_mode(self) -> int:
         """The node's mode in the container, with CDI."""
         return DEFAULT_CONTAINER_MODE if self.container_mode is None else self.container_mode
+
+
+def qualified_name(dev: DeviceConfig) -> str:
+    """The CDI name the runtime is given (by Allocate, or in DRA mode by the prepared claim): ``ate.dev/kvm=kvm``,
+    the spec's kind and its one device."""
+    return f"{dev.resource}={dev.cdi_name}"
 
 
 def count_cost(count: int) -> str:
@@ -324,48 +329,3 @@ def render(dev: DeviceConfig) -> list[str]:
         elif dev.container_gid is not None:
             lines.append(f"container_gid = {dev.container_gid}")
     return lines
-
-
-def toml_value(value: object, *, octal: bool = False) -> str:  # noqa: PLR0911 - one return per TOML type
-    """``value`` as it is written in TOML, for error messages: ``true``, ``0o1777`` (with ``octal``),
-    ``'ate.dev/kvm'``, ``[{driver = 'x'}]``; None (a key not given) is ``unset``.
-
-    A string is a literal string (single quotes, as the messages have always shown them) unless it holds
-    a quote or a character that is not printable: then a basic string with escapes, so that an error is
-    always one printable line.
-    """
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return f"0o{value:o}" if octal and value >= 0 else str(value)
-    if isinstance(value, float):
-        return _toml_float(value)
-    if isinstance(value, str):
-        return f"'{value}'" if value.isprintable() and "'" not in value else toml_str(value)
-    if isinstance(value, dict):
-        items = ", ".join(f"{_toml_key(str(k))} = {toml_value(v, octal=octal)}" for k, v in value.items())
-        return "{" + items + "}" if items else "{}"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v, octal=octal) for v in value) + "]"
-    if isinstance(value, datetime.date | datetime.time):  # datetime is a date
-        return value.isoformat()
-    return toml_str(str(value))
-
-
-def _toml_float(value: float) -> str:
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return repr(value)
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else toml_str(key)
-
-
-def toml_str(value: str) -> str:
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + "".join(c if c.isprintable() else f"\\U{ord(c):08x}" for c in escaped) + '"'

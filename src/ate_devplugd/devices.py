@@ -17,7 +17,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ate_devplugd.config import DeviceConfig
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.kernel import KernelView
 from ate_devplugd.logs import EventLog
 

@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ate_devplugd import config as configmod
-from ate_devplugd import devices, runtime_cdi
-from ate_devplugd.config import Config, ConfigError, DeviceConfig
+from ate_devplugd import devices, runtime_cdi, runtime_facts
+from ate_devplugd.config import Config, ConfigError
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.kernel import KernelView
 from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.lock import InstanceLock
-from ate_devplugd.runtime_cdi import CdiVerdict, RuntimeReport
+from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
 from ate_devplugd.unixsock import socket_answers
 
 if TYPE_CHECKING:
@@ -388,7 +389,7 @@ async def kubelet_findings(cfg: Config, node: Node) -> list[Finding]:
     else:
         out.append(ok("kubelet", f"{sock} answers"))
     found = await kubelet_version((node.find_kubelet or find_kubelet)())
-    parsed = runtime_cdi.parse_version(found[1]) if found else None
+    parsed = runtime_facts.parse_version(found[1]) if found else None
     if found is None:
         out.append(warn("kubelet version", "no kubelet binary on this node: version not checked"))
     elif parsed is None:
@@ -419,7 +420,7 @@ def runtime_findings(cfg: Config, report: RuntimeReport) -> list[Finding]:
         runtime = ok("runtime", f"{report.runtime} at {report.socket}")
     if not runtime_cdi.wanted(any(dev.cdi for dev in cfg.devices), cfg.mode):
         return [runtime, ok("runtime cdi", "no resource uses CDI")]
-    message = f"{report.describe()}: {runtime_cdi.consequence(report.verdict, cfg.mode)}"
+    message = f"{report.describe()}: {runtime_facts.consequence(report.verdict, cfg.mode)}"
     if report.verdict is CdiVerdict.APPLIED:
         return [runtime, ok("runtime cdi", report.describe())]
     if report.verdict is CdiVerdict.UNKNOWN:
@@ -428,7 +429,7 @@ def runtime_findings(cfg: Config, report: RuntimeReport) -> list[Finding]:
 
 
 def cdi_remedy(cfg: Config, report: RuntimeReport) -> str:
-    version = runtime_cdi.parse_version(report.version) or (0, 0, 0)
+    version = runtime_facts.parse_version(report.version) or (0, 0, 0)
     if report.verdict is CdiVerdict.DIR_NOT_READ:
         where = (
             '[plugins."io.containerd.grpc.v1.cri"] cdi_spec_dirs'

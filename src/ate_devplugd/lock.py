@@ -12,7 +12,7 @@ import socket
 import struct
 
 from ate_devplugd import endpoint
-from ate_devplugd.config import DeviceConfig
+from ate_devplugd.device_config import DeviceConfig
 
 log = logging.getLogger("ate_devplugd")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ate_devplugd import __version__
-from ate_devplugd.runtime_cdi import CdiVerdict
+from ate_devplugd.runtime_facts import CdiVerdict
 
 PREFIX = "ate_devplugd_"
 

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from ate_devplugd import cli, session
-from ate_devplugd.config import Config, DeviceConfig, render
+from ate_devplugd.config import Config, render
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
 from ate_devplugd.doctor import render as render_text
 from ate_devplugd.dra import manifests

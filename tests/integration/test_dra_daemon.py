@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ate_devplugd import config as configmod
-from ate_devplugd.config import Config, DeviceConfig
+from ate_devplugd.config import Config
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.kernel import UdevKernelView
 from tests.fakes.dra_kubelet import WIPING_DELAY

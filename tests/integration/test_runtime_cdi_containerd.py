@@ -27,7 +27,8 @@ from ate_devplugd.config import Config, render
 from ate_devplugd.doctor import Level, Node, examine
 from ate_devplugd.doctor import render as render_doctor
 from ate_devplugd.kernel import UdevKernelView
-from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME, CdiVerdict
+from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME
+from ate_devplugd.runtime_facts import CdiVerdict
 from tests.fakes.kubelet import FakeKubelet
 from tests.podman import NodeStat
 from tests.runtimes.containerd import CheckerRun, Containerd, ContainerdBuild, Images, run_allocated, running

@@ -8,8 +8,8 @@ import logging
 import os
 from pathlib import Path
 
-from ate_devplugd import cdi
-from ate_devplugd.config import DeviceConfig
+from ate_devplugd import cdi, device_config
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.devices import Presence, Resource
 from tests.support import recording_events
 
@@ -56,8 +56,8 @@ class TestSpec:
     def test_names(self, tmp_path: Path) -> None:
         """The qualified name Allocate sends, and the spec's file name (vendor-class.json)."""
         tun = DeviceConfig("ate.dev/tun", "/dev/net/tun", cdi=True)
-        assert cdi.qualified_name(KVM) == "ate.dev/kvm=kvm"
-        assert cdi.qualified_name(tun) == "ate.dev/tun=tun"
+        assert device_config.qualified_name(KVM) == "ate.dev/kvm=kvm"
+        assert device_config.qualified_name(tun) == "ate.dev/tun=tun"
         assert cdi.spec_path(str(tmp_path), tun) == str(tmp_path / "ate.dev-tun.json")
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from ate_devplugd import config, device_config
-from ate_devplugd.config import Config, ConfigError, DeviceConfig
+from ate_devplugd import config, device_config, toml_text
+from ate_devplugd.config import Config, ConfigError
+from ate_devplugd.device_config import DeviceConfig
+from tests.support import subprocess_env
 
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
 
@@ -211,14 +216,14 @@ class TestTomlValue:
     def test_value_reads_back_as_toml(self, toml: str, written: str) -> None:
         """An error shows a value as TOML that reads back to the same value (not Python's repr)."""
         value = tomllib.loads(f"v = {toml}")["v"]
-        assert device_config.toml_value(value) == written
+        assert toml_text.toml_value(value) == written
         again = tomllib.loads(f"v = {written}")["v"]
         assert again == value or (math.isnan(value) and math.isnan(again))
 
     def test_mode_in_octal_and_unset(self) -> None:
         """A file mode is shown in octal, as written; a key not given is "unset", never None."""
-        assert device_config.toml_value(0o1777, octal=True) == "0o1777"
-        assert device_config.toml_value(None) == "unset"
+        assert toml_text.toml_value(0o1777, octal=True) == "0o1777"
+        assert toml_text.toml_value(None) == "unset"
 
 
 class TestRestartOnly:
@@ -255,3 +260,37 @@ class TestRestartOnly:
         """In $RUNTIME_DIRECTORY (its first entry) under systemd; /run/ate-devplugd otherwise."""
         assert config.running_config_path({}) == "/run/ate-devplugd/running-config.toml"
         assert config.running_config_path({"RUNTIME_DIRECTORY": "/run/x:/run/y"}) == "/run/x/running-config.toml"
+
+
+#: ``check-config`` as the command line runs it, in a fresh interpreter: its exit code and the modules it loaded.
+CHECK_CONFIG = """
+import contextlib, io, json, sys
+from ate_devplugd import cli
+with contextlib.redirect_stdout(io.StringIO()):
+    code = cli.main(["check-config", "--config", sys.argv[1]])
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+"""
+#: What only the daemon needs: the event loop, gRPC and the device registry (with its kernel view).
+DAEMON_ONLY = ("asyncio", "grpc", "ate_devplugd.devices")
+
+
+class TestCheckConfigImports:
+    @pytest.mark.parametrize(
+        "text", [KVM, 'mode = "dra"\n[dra]\nnode_name = "node-1"\n' + KVM], ids=["device-plugin", "dra"]
+    )
+    def test_loads_nothing_of_the_daemon(self, tmp_path: Path, text: str) -> None:
+        """Reading a config (DRA's included, whose checks name the CDI devices) loads none of the daemon's
+        modules: check-config, run by the unit's reload, stays quick."""
+        path = tmp_path / "config.toml"
+        path.write_text(text)
+        done = subprocess.run(
+            [sys.executable, "-c", CHECK_CONFIG, str(path)],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        result = json.loads(done.stdout)
+        assert result["code"] == 0, done.stderr
+        loaded = [name for name in result["modules"] if any(name == m or name.startswith(m + ".") for m in DAEMON_ONLY)]
+        assert loaded == []

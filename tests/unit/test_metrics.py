@@ -28,7 +28,7 @@ from ate_devplugd import __version__, atomicfile, config
 from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.prepare import ClaimProblem
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Family, Metrics, MetricType, exposition
-from ate_devplugd.runtime_cdi import CdiVerdict
+from ate_devplugd.runtime_facts import CdiVerdict
 from ate_devplugd.textfile import PROMPT_INTERVAL, TextfileWriter
 from tests.prometheus_tools import watching
 from tests.support import subprocess_env

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.device_config import is_dns_subdomain, toml_str, toml_value
+from ate_devplugd.device_config import is_dns_subdomain
+from ate_devplugd.toml_text import toml_str, toml_value
 
 MODES = ("device-plugin", "dra")
 SHARING = ("units", "shared")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ate_devplugd.cdi import qualified_name
+from ate_devplugd.device_config import qualified_name
 from ate_devplugd.devices import DeviceRegistry, Resource
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.driver import DraDriver, DraStatus, KubeletState

@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.device_config import is_dns_subdomain, toml_value
+from ate_devplugd.device_config import is_dns_subdomain
 from ate_devplugd.dra.config import MAX_DEVICES, DraConfig
+from ate_devplugd.toml_text import toml_value
 
 API_VERSION = "resource.k8s.io/v1"
 #: The device attribute naming the resource; unqualified, so it lives in the driver's domain.
