@@ -26,6 +26,7 @@ from collections.abc import Callable
 import grpc
 
 from ate_devplugd import endpoint
+from ate_devplugd.backoff import Backoff
 from ate_devplugd.devices import Resource
 from ate_devplugd.kubelet_watch import KubeletWatch, SocketLoss
 from ate_devplugd.metrics import Metrics
@@ -51,23 +52,6 @@ class SessionState(enum.Enum):
     SOCKET_IN_USE = "socket in use"
     CANNOT_SERVE = "cannot serve"
     ERROR = "internal error; retrying"
-
-
-class Backoff:
-    """Retry delays: milliseconds at first, doubling while failures continue, capped."""
-
-    def __init__(self, first: float = 0.005, cap: float = 30.0) -> None:
-        self._first = first
-        self._cap = cap
-        self._next = first
-
-    def reset(self) -> None:
-        self._next = self._first
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self._cap, self._next * 2)
-        return delay
 
 
 class Session:
