@@ -36,7 +36,6 @@ from ate_devplugd import config as configmod
 from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.devices import DeviceRegistry, Resource
-from ate_devplugd.endpoint import SocketInUseError
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
@@ -48,6 +47,7 @@ from ate_devplugd.plugins import DevicePlugins
 from ate_devplugd.runtime_cdi import RuntimeCheck, RuntimeReport, wanted
 from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
+from ate_devplugd.unixserver import SocketInUseError
 
 if TYPE_CHECKING:
     from ate_devplugd.dra.mode import DraMode

@@ -11,8 +11,8 @@ import posixpath
 import socket
 import struct
 
-from ate_devplugd import endpoint
 from ate_devplugd.config import DeviceConfig
+from ate_devplugd.unixserver import SocketInUseError, check_socket_free
 
 log = logging.getLogger("ate_devplugd")
 
@@ -142,8 +142,8 @@ def busy_sockets(plugin_dir: str, devices: tuple[DeviceConfig, ...]) -> list[str
     busy = []
     for dev in devices:
         try:
-            endpoint.check_socket_free(posixpath.join(plugin_dir, dev.socket_name))
-        except endpoint.SocketInUseError as exc:
+            check_socket_free(posixpath.join(plugin_dir, dev.socket_name))
+        except SocketInUseError as exc:
             busy.append(str(exc))
         except OSError:
             continue
