@@ -78,7 +78,7 @@ class Daemon:
         self._monitor_factory = monitor_factory
         self._notifier = notifier or Notifier.from_env()
         self._events = EventLog(log)
-        self._lock = InstanceLock(config.plugin_dir)
+        self._lock = InstanceLock.of(config)
         self._metrics = Metrics()
         self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
         self._cdi = CdiSpecs(config.cdi_dir)
@@ -123,7 +123,7 @@ class Daemon:
 
     async def _run(self) -> int:
         if not self._lock.acquire():
-            log.error("another ate-devplugd is already running for %s; not starting", self.config.plugin_dir)
+            log.error("another ate-devplugd is already running for %s; not starting", self._lock.directory)
             return os.EX_CANTCREAT
         watchdog: asyncio.Task[None] | None = None
         try:
@@ -154,7 +154,8 @@ class Daemon:
 
     async def _start(self) -> bool:
         """Watch, then read the state, then serve; False if another process serves our sockets."""
-        make_plugin_dir(self.config.plugin_dir)
+        if self.config.mode != "dra":  # DRA mode's server makes its own directories
+            make_plugin_dir(self.config.plugin_dir)
         self._watch.start()
         kernel = self._start_udev()
         for dev in self.config.devices:
