@@ -36,7 +36,6 @@ from ate_devplugd import config as configmod
 from ate_devplugd.cdi import CdiSpecs
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.devices import DeviceRegistry, Resource
-from ate_devplugd.endpoint import SocketInUseError
 from ate_devplugd.grpc_compat import grpc_runtime
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.kubelet_watch import KubeletWatch
@@ -49,6 +48,7 @@ from ate_devplugd.runtime_cdi import RuntimeCheck, wanted
 from ate_devplugd.runtime_facts import RuntimeReport
 from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
+from ate_devplugd.unixserver import SocketInUseError
 
 if TYPE_CHECKING:
     from ate_devplugd.dra.mode import DraMode
@@ -79,7 +79,7 @@ class Daemon:
         self._monitor_factory = monitor_factory
         self._notifier = notifier or Notifier.from_env()
         self._events = EventLog(log)
-        self._lock = InstanceLock(config.plugin_dir)
+        self._lock = InstanceLock.of(config)
         self._metrics = Metrics()
         self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
         self._cdi = CdiSpecs(config.cdi_dir)
@@ -124,7 +124,7 @@ class Daemon:
 
     async def _run(self) -> int:
         if not self._lock.acquire():
-            log.error("another ate-devplugd is already running for %s; not starting", self.config.plugin_dir)
+            log.error("another ate-devplugd is already running for %s; not starting", self._lock.directory)
             return os.EX_CANTCREAT
         watchdog: asyncio.Task[None] | None = None
         try:
@@ -155,7 +155,8 @@ class Daemon:
 
     async def _start(self) -> bool:
         """Watch, then read the state, then serve; False if another process serves our sockets."""
-        make_plugin_dir(self.config.plugin_dir)
+        if self.config.mode != "dra":  # DRA mode's server makes its own directories
+            make_plugin_dir(self.config.plugin_dir)
         self._watch.start()
         kernel = self._start_udev()
         for dev in self.config.devices:

@@ -213,15 +213,15 @@ def access_finding(cfg: Config, dev: DeviceConfig, node: str, report: RuntimeRep
 # -- the daemon ------------------------------------------------------------------------------------
 
 
-def daemon_pid(plugin_dir: str) -> int | None:
-    """The pid of the ate-devplugd holding the plugin directory's instance lock, None when none runs."""
-    holder = InstanceLock(plugin_dir).holder()
+def daemon_pid(cfg: Config) -> int | None:
+    """The pid of the ate-devplugd holding the instance lock of ``cfg``, None when none runs."""
+    holder = InstanceLock.of(cfg).holder()
     return None if holder is None else holder[0]
 
 
 async def daemon_findings(cfg: Config, node: Node) -> list[Finding]:
     """Running; its sockets answer as kubelet would ask them; kubelet holds its registration."""
-    pid = daemon_pid(cfg.plugin_dir)
+    pid = daemon_pid(cfg)
     if pid is None:
         return [
             fail("daemon", "ate-devplugd is not running", "systemctl start ate-devplugd; journalctl -u ate-devplugd")

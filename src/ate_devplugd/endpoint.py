@@ -7,13 +7,10 @@ the loop free while the call is in flight.
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import functools
 import logging
 import os
-import posixpath
-import socket
-import stat
 from collections.abc import Callable
 
 import grpc
@@ -22,7 +19,8 @@ from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.device_config import max_request_bytes
 from ate_devplugd.devices import Resource
 from ate_devplugd.servicer import AllocateCounter, DevicePluginServicer
-from ate_devplugd.unixsock import ONE_ATTEMPT, FileIdentity, unix_target
+from ate_devplugd.unixserver import STOP_GRACE, SocketGoneError, UnixServer
+from ate_devplugd.unixsock import ONE_ATTEMPT, unix_target
 
 log = logging.getLogger(__name__)
 
@@ -33,47 +31,10 @@ API_VERSION = "v1beta1"
 REGISTER_TIMEOUT = float(os.environ.get("ATE_DEVPLUGD_REGISTER_TIMEOUT") or 15.0)
 #: How long our own server may take to answer its first connection.
 SELF_DIAL_TIMEOUT = 5.0
-#: Grace for in-flight RPCs (an Allocate) when a server stops.
-STOP_GRACE = 0.2
-
-
-class SocketInUseError(Exception):
-    """Another live process answers on our socket path."""
-
-
-class SocketGoneError(Exception):
-    """Our socket was removed while the server was starting (kubelet wiping the directory, say)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(f"{path} was removed while it was being served")
-
-
-def check_socket_free(path: str) -> None:
-    """Remove a stale file at our socket path; raise SocketInUseError if a live process answers there."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        raise SocketInUseError(f"{path} is a directory")
-    if stat.S_ISSOCK(st.st_mode):
-        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            peer.settimeout(1.0)
-            peer.connect(path)
-        except OSError as exc:
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                raise SocketInUseError(f"{path}: cannot tell whether it is in use: {exc.strerror}") from exc
-        else:
-            raise SocketInUseError(f"another process is serving on {path}")
-        finally:
-            peer.close()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 class PluginServer:
-    """A grpc.aio server for one resource on one unix socket; start() proves it answers."""
+    """A grpc.aio server for one resource on its unix socket (``unixserver``); start() proves it answers."""
 
     def __init__(
         self,
@@ -85,46 +46,15 @@ class PluginServer:
         self.resource = resource
         self.socket_path = socket_path
         self.servicer = DevicePluginServicer(resource, on_streams, counter)
-        self.identity: FileIdentity | None = None
-        self._server: grpc.aio.Server | None = None
+        self._unix = UnixServer(
+            socket_path,
+            functools.partial(api_pb2_grpc.add_DevicePluginServicer_to_server, self.servicer),
+            options=[("grpc.max_receive_message_length", max_request_bytes(resource.config))],
+        )
 
     async def start(self) -> None:
-        """Bind a staging name, then hard-link it to the socket path (which fails if anything is there).
-
-        gRPC removes whatever socket is at the path it binds, both before binding and when it stops; so
-        it only ever binds the staging name, and another process's live socket is never removed.
-        """
-        check_socket_free(self.socket_path)
-        staging = posixpath.join(posixpath.dirname(self.socket_path), "." + posixpath.basename(self.socket_path))
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", max_request_bytes(self.resource.config)),
-            ]
-        )
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        try:
-            port = server.add_insecure_port(unix_target(staging))
-        except RuntimeError:  # grpcio raises (1.51 and later) where it used to return 0
-            port = 0
-        if not port:
-            raise _bind_failure(staging, self.socket_path)
-        self._server = server
-        await server.start()
-        try:
-            # Only root (kubelet) connects; the unit's UMask already gives 0600, a shell may not.
-            os.chmod(staging, 0o600)
-            staged = os.lstat(staging).st_ino
-            _publish(staging, self.socket_path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staging)
-        identity = FileIdentity.of(self.socket_path)
-        if identity is None:
-            raise SocketGoneError(self.socket_path)
-        if identity.ino != staged:
-            raise SocketInUseError(f"{self.socket_path} was replaced while it was being served")
-        self.identity = identity
+        """Serve on the socket path (never taking a live process's), then dial it once."""
+        await self._unix.start()
         await self._dial_self()
 
     async def _dial_self(self) -> None:
@@ -147,45 +77,12 @@ class PluginServer:
 
     def socket_is_ours(self) -> bool:
         """Whether the file at our socket path is still the one we bound."""
-        return self.identity is not None and FileIdentity.of(self.socket_path) == self.identity
+        return self._unix.is_ours()
 
     async def stop(self, grace: float | None = STOP_GRACE) -> None:
         """Stop serving (ending ListAndWatch streams) and remove our socket; safe to call twice."""
-        server, self._server = self._server, None
         self.servicer.close()
-        # Before the server stops: while it holds the socket's inode, no other file can have its identity.
-        if self.socket_is_ours():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
-        self.identity = None
-        if server is not None:
-            await server.stop(grace)
-
-
-def _publish(staging: str, path: str) -> None:
-    """Make the bound socket ``staging`` appear at ``path``, never replacing a live socket there."""
-    for _ in range(3):
-        try:
-            os.link(staging, path)
-        except FileExistsError:
-            check_socket_free(path)  # a live one raises SocketInUseError; a stale one is removed
-        else:
-            return
-    raise SocketInUseError(f"{path} keeps being re-created by another process")
-
-
-def _bind_failure(staging: str, path: str) -> OSError:
-    """Why a unix socket cannot be bound next to ``path`` (gRPC does not say): try it with a plain socket."""
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        peer.bind(staging)
-    except OSError as exc:
-        return OSError(exc.errno, f"cannot listen on {path}: {exc.strerror}")
-    finally:
-        peer.close()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(staging)
-    return OSError(errno.EADDRNOTAVAIL, f"cannot listen on {path}")
+        await self._unix.stop(grace)
 
 
 async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeout: float) -> None:

@@ -1,4 +1,9 @@
-"""The plugin directory, ours to serve: made if missing, one daemon per directory, no live process's socket taken."""
+"""The plugin directory, ours to serve: made if missing, one daemon per directory, no live process's socket taken.
+
+The directory is the one the mode serves in (``InstanceLock.of``): kubelet's device-plugin directory, or
+in DRA mode the driver's own plugin directory, which DRA mode's server makes (``dra.service``); a DRA
+daemon neither makes nor locks kubelet's device-plugin directory.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ import posixpath
 import socket
 import struct
 
-from ate_devplugd import endpoint
+from ate_devplugd.config import Config
 from ate_devplugd.device_config import DeviceConfig
+from ate_devplugd.unixserver import SocketInUseError, check_socket_free
 
 log = logging.getLogger("ate_devplugd")
 
@@ -81,8 +87,19 @@ class InstanceLock:
     """
 
     def __init__(self, plugin_dir: str) -> None:
+        #: The directory it is named after.
+        self.directory = plugin_dir
         self.name = lock_name(plugin_dir)
         self._sock: socket.socket | None = None
+
+    @classmethod
+    def of(cls, config: Config) -> InstanceLock:
+        """The lock of the daemon running ``config``, named after the directory it serves in: the
+        device-plugin directory, or in DRA mode the directory of the driver's dra.sock
+        (``<kubelet_dir>/plugins/<driver>``)."""
+        if config.mode == "dra" and config.dra is not None:
+            return cls(posixpath.dirname(config.dra.plugin_socket))
+        return cls(config.plugin_dir)
 
     def acquire(self) -> bool:
         """Take the name (False: a daemon of ours holds it). Called on the running loop."""
@@ -142,8 +159,8 @@ def busy_sockets(plugin_dir: str, devices: tuple[DeviceConfig, ...]) -> list[str
     busy = []
     for dev in devices:
         try:
-            endpoint.check_socket_free(posixpath.join(plugin_dir, dev.socket_name))
-        except endpoint.SocketInUseError as exc:
+            check_socket_free(posixpath.join(plugin_dir, dev.socket_name))
+        except SocketInUseError as exc:
             busy.append(str(exc))
         except OSError:
             continue

@@ -26,9 +26,11 @@ from collections.abc import Callable
 import grpc
 
 from ate_devplugd import endpoint
+from ate_devplugd.backoff import Backoff
 from ate_devplugd.devices import Resource
 from ate_devplugd.kubelet_watch import KubeletWatch, SocketLoss
 from ate_devplugd.metrics import Metrics
+from ate_devplugd.unixserver import SocketGoneError, SocketInUseError
 from ate_devplugd.unixsock import FileIdentity
 
 #: How long kubelet may go without a ListAndWatch stream on a registered resource, while it still runs,
@@ -51,23 +53,6 @@ class SessionState(enum.Enum):
     SOCKET_IN_USE = "socket in use"
     CANNOT_SERVE = "cannot serve"
     ERROR = "internal error; retrying"
-
-
-class Backoff:
-    """Retry delays: milliseconds at first, doubling while failures continue, capped."""
-
-    def __init__(self, first: float = 0.005, cap: float = 30.0) -> None:
-        self._first = first
-        self._cap = cap
-        self._next = first
-
-    def reset(self) -> None:
-        self._next = self._first
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self._cap, self._next * 2)
-        return delay
 
 
 class Session:
@@ -168,9 +153,9 @@ class Session:
             backoff.reset()
             while await self._hold():
                 await self._register()
-        except endpoint.SocketGoneError:
+        except SocketGoneError:
             self._log_socket_loss()
-        except endpoint.SocketInUseError as exc:
+        except SocketInUseError as exc:
             self.resource.events.error("socket-in-use", "%s", exc)
             self._set_state(SessionState.SOCKET_IN_USE, str(exc))
             return backoff.next()
@@ -205,7 +190,7 @@ class Session:
         while True:
             kubelet = self._watch.kubelet()
             if not self._server.socket_is_ours():
-                raise endpoint.SocketGoneError(self.socket_path)
+                raise SocketGoneError(self.socket_path)
             if kubelet is None:
                 self._set_state(SessionState.WAITING_FOR_KUBELET)
                 self.first_attempt.set()
@@ -246,7 +231,7 @@ class Session:
             )
             self._set_state(SessionState.REGISTERED)
             if gone:
-                raise endpoint.SocketGoneError(self.socket_path)
+                raise SocketGoneError(self.socket_path)
             return
 
     def _register_failed(self, exc: grpc.aio.AioRpcError, kubelet: FileIdentity) -> None:

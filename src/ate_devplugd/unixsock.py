@@ -1,4 +1,5 @@
-"""Unix-socket files as the daemon sees them: which file is at a path, and whether a process listens on it.
+"""Unix-socket files as the daemon sees them: which file is at a path, whether a process listens on it, and
+the staging name a server binds before its socket is linked to the path.
 
 A socket file's identity (device, inode, ctime) tells one file from a later one at the same path: inode
 numbers are reused once a file is gone (ext4 and XFS hand out a freed one again at once), the ctime of a
@@ -8,6 +9,7 @@ new file is its creation. Both our own socket and kubelet's are told apart this 
 from __future__ import annotations
 
 import os
+import posixpath
 import socket
 from dataclasses import dataclass
 
@@ -16,6 +18,13 @@ from dataclasses import dataclass
 #: stopping kubelet's GOAWAY and allocated without bound until the call's deadline: over 4 GB in 15 s,
 #: in 4 of 13 storms of 1,000 kubelet restarts; in none of 20 with them off.
 ONE_ATTEMPT = (("grpc.enable_retries", 0),)
+
+
+def staging_path(path: str) -> str:
+    """Where the socket for ``path`` is bound before it is linked there (``unixserver``): its dot-name in
+    the same directory, which kubelet ignores; one byte longer than ``path``, the longest path bound."""
+    directory, base = posixpath.split(path)
+    return posixpath.join(directory, "." + base)
 
 
 def unix_target(path: str) -> str:

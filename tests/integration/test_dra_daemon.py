@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from ate_devplugd.config import Config
 from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.kernel import UdevKernelView
+from ate_devplugd.lock import InstanceLock
 from tests.fakes.dra_kubelet import WIPING_DELAY
 from tests.integration.dra_rig import DRIVER, NODE, DraNode, dra_node, short_dir, write_kubeconfig
 from tests.podman import Podman
@@ -180,6 +182,31 @@ class TestDraMode:
                 assert str(registration) in error.getMessage() and error.exc_info is None
                 assert registration.is_socket()
                 assert not Path(dra.plugin_socket).exists()
+
+    async def test_holds_its_own_directory_not_kubelets_device_plugin_one(
+        self, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """DRA mode neither makes kubelet's device-plugin directory nor names its instance lock after it:
+        the lock is the driver's plugin directory's, so a second daemon for that driver is refused (naming
+        that directory) while kubelet's device-plugin directory stays free for a device-plugin daemon."""
+        async with short_dir() as base:
+            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "kubeconfig"), kubelet_dir=str(base / "kubelet"))
+            device_plugins = base / "kubelet" / "device-plugins"
+            config = dataclasses.replace(kvm_config(device_plugins, fake_root, cdi=True), mode="dra", dra=dra)
+            async with daemon_in_process(config, kernel) as running:
+                await running.events.wait_for("ready")
+                assert Path(dra.plugin_socket).is_socket()
+                assert not device_plugins.exists()
+                ours = base / "kubelet" / "plugins" / DRIVER
+                assert InstanceLock(str(ours)).holder() == (os.getpid(), os.geteuid())
+                assert InstanceLock(str(device_plugins)).holder() is None
+                async with daemon_in_process(config, kernel) as second:
+                    async with asyncio.timeout(10):
+                        assert await second.task == os.EX_CANTCREAT
+                refusal = f"another ate-devplugd is already running for {ours}; not starting"
+                assert refusal in [r.getMessage() for r in second.events.records]
+                assert await running.stop() == 0
+            assert not device_plugins.exists()
 
 
 async def probe(config: Config, directory: Path) -> tuple[int, list[str]]:

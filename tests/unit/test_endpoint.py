@@ -10,41 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ate_devplugd import endpoint
+from ate_devplugd import endpoint, unixserver
+from ate_devplugd.unixserver import SocketGoneError
 from tests.fakes.kubelet import FakeKubelet
 from tests.support import kvm_resource
 
 
 class TestSocketPath:
-    def test_stale_socket_is_removed(self, tmp_path: Path) -> None:
-        """A socket nobody listens on is left over from a dead process: removed."""
-        path = tmp_path / "s.sock"
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(path))
-        sock.close()
-        endpoint.check_socket_free(str(path))
-        assert not path.exists()
-
-    def test_regular_file_is_removed(self, tmp_path: Path) -> None:
-        """A plain file in our socket's place is not ours to keep."""
-        path = tmp_path / "s.sock"
-        path.write_text("x")
-        endpoint.check_socket_free(str(path))
-        assert not path.exists()
-
-    def test_live_socket_is_refused(self, tmp_path: Path) -> None:
-        """A socket that answers belongs to a running process: never stolen."""
-        path = tmp_path / "s.sock"
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(path))
-        sock.listen()
-        try:
-            with pytest.raises(endpoint.SocketInUseError, match="another process"):
-                endpoint.check_socket_free(str(path))
-            assert path.exists()
-        finally:
-            sock.close()
-
     async def test_socket_identity(self, tmp_path: Path) -> None:
         """socket_is_ours turns false when the file is removed or replaced."""
         server = endpoint.PluginServer(kvm_resource(), str(tmp_path / "p.sock"))
@@ -109,7 +81,7 @@ class TestSocketWipedWhileStarting:
         server = endpoint.PluginServer(kvm_resource(), str(tmp_path / "p.sock"))
         loop = asyncio.get_running_loop()
         start = loop.time()
-        with pytest.raises(endpoint.SocketGoneError):
+        with pytest.raises(SocketGoneError):
             await server.start()
         await server.stop()
         assert loop.time() - start < endpoint.SELF_DIAL_TIMEOUT
@@ -117,13 +89,13 @@ class TestSocketWipedWhileStarting:
     async def test_wipe_during_start_is_reported_at_once(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """kubelet wiping our socket between bind and the self-check: SocketGoneError at once, not a
         reconnect wait that ends in a serve failure."""
-        real_publish = endpoint._publish
+        real_publish = unixserver._publish
 
         def publish_then_wipe(staging: str, path: str) -> None:
             real_publish(staging, path)
             os.unlink(path)  # what kubelet's start does to every socket in the directory
 
-        monkeypatch.setattr(endpoint, "_publish", publish_then_wipe)
+        monkeypatch.setattr(unixserver, "_publish", publish_then_wipe)
         await self.assert_gone_at_once(tmp_path)
 
     async def test_wipe_before_self_check_is_reported_at_once(

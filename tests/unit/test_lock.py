@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ate_devplugd.config import Config
+from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.lock import InstanceLock, NoPermissionError, lock_name, make_plugin_dir
 from tests.fault.harness import read_only_bind
 
@@ -52,6 +54,18 @@ def test_name_is_the_directory_or_a_digest_of_a_long_one(tmp_path: Path) -> None
     names = [lock_name(path) for path in deep]
     assert all(name.startswith(b"\0ate-devplugd/sha256:") and len(name) <= 108 for name in names)
     assert names[0] != names[1]
+
+
+def test_each_mode_locks_the_directory_it_serves_in() -> None:
+    """Device-plugin mode: kubelet's device-plugin directory. DRA mode: the driver's own plugin directory
+    (where its dra.sock is), never kubelet's device-plugin directory, which it does not serve in."""
+    dra = DraConfig(node_name="node-1", driver="kvm.ate.dev", kubelet_dir="/k")
+    device_plugin = Config(plugin_dir="/k/device-plugins", dra=dra)
+    assert InstanceLock.of(device_plugin).directory == "/k/device-plugins"
+    lock = InstanceLock.of(Config(plugin_dir="/k/device-plugins", mode="dra", dra=dra))
+    assert (lock.directory, lock.name) == ("/k/plugins/kvm.ate.dev", b"\0ate-devplugd//k/plugins/kvm.ate.dev")
+    other_driver = DraConfig(node_name="node-1", driver="vhost.ate.dev", kubelet_dir="/k")
+    assert InstanceLock.of(Config(mode="dra", dra=other_driver)).name != lock.name
 
 
 class TestMakePluginDir:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ate_devplugd.device_config import is_dns_subdomain
 from ate_devplugd.toml_text import toml_str, toml_value
+from ate_devplugd.unixsock import staging_path
 
 MODES = ("device-plugin", "dra")
 SHARING = ("units", "shared")
@@ -47,12 +48,6 @@ class DraConfig:
     def registration_socket(self) -> str:
         """Where kubelet's plugin watcher finds us: ``<kubelet_dir>/plugins_registry/<driver>-reg.sock``."""
         return posixpath.join(self.kubelet_dir, "plugins_registry", self.driver + "-reg.sock")
-
-
-def staging_path(path: str) -> str:
-    """Where a socket is bound before it is renamed to ``path``: a dot-name, which kubelet ignores."""
-    directory, base = posixpath.split(path)
-    return posixpath.join(directory, "." + base)
 
 
 def kubelet_hostname(gethostname: Callable[[], str] = socket.gethostname) -> str:

@@ -33,9 +33,9 @@ from ate_devplugd.dra.presence import Presence
 from ate_devplugd.dra.service import (
     DraPluginV1,
     DraPluginV1beta1,
+    DraServer,
     HealthServicer,
     RegistrationServicer,
-    UnixServer,
 )
 from ate_devplugd.dra.slices import SlicePublisher, SliceState
 from ate_devplugd.logs import EventLog
@@ -128,8 +128,8 @@ class DraDriver:
         )
         self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False), self.kubelet_changed)
         self.preparer = Preparer(config.driver, pools, self.publisher.files, self.publisher.present, self.metrics)
-        self._plugin = UnixServer(config.plugin_socket, self._add_plugin_services)
-        self._registration = UnixServer(config.registration_socket, self._add_registration_service)
+        self._plugin = DraServer(config.plugin_socket, self._add_plugin_services)
+        self._registration = DraServer(config.registration_socket, self._add_registration_service)
         self._publisher_task: asyncio.Task[None] | None = None
 
     def _add_plugin_services(self, server: grpc.aio.Server) -> None:

@@ -1,15 +1,14 @@
 """The gRPC side toward kubelet: DRAPlugin v1 and v1beta1, device health, and plugin registration.
 
-Each server is bound under a hidden staging name (kubelet's plugin watcher ignores dot-names), started,
-then renamed into place, so kubelet never finds a socket that does not answer yet; a socket another
-process serves on is never replaced, and one that is not ours is never removed. The handlers only
-read state and await; nothing blocks the loop (kubelet gives GetInfo 1 s).
+Each server is a ``unixserver.UnixServer``: bound under a hidden staging name (kubelet's plugin watcher
+ignores dot-names), started, then linked into place, so kubelet never finds a socket that does not
+answer yet; a socket another process serves on is never replaced, and one that is not ours is never
+removed. The handlers only read state and await; nothing blocks the loop (kubelet gives GetInfo 1 s).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import posixpath
@@ -27,11 +26,9 @@ from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from ate_devplugd.dra.config import staging_path
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.dra.prepare import ClaimRef, Preparer
-from ate_devplugd.endpoint import check_socket_free
-from ate_devplugd.unixsock import FileIdentity
+from ate_devplugd.unixserver import UnixServer
 
 log = logging.getLogger(__name__)
 
@@ -174,52 +171,11 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
         return reg_pb2.RegistrationStatusResponse()
 
 
-class UnixServer:
-    """One grpc.aio server on one unix socket path; the reference is kept until stop().
-
-    A grpc server that is garbage-collected removes its socket, and kubelet then drops the plugin: the
-    driver holds every UnixServer for its whole life.
-    """
-
-    def __init__(self, path: str, add_services: Callable[[grpc.aio.Server], None]) -> None:
-        self.path = path
-        self._add_services = add_services
-        self.server: grpc.aio.Server | None = None
-        self._identity: FileIdentity | None = None
+class DraServer(UnixServer):
+    """One of the driver's two servers (DRAPlugin on dra.sock, registration in plugins_registry), in a
+    directory made 0750 if missing: ``<driver>``'s under plugins is ours to make, and plugins_registry
+    may not be there before kubelet's plugin watcher first starts."""
 
     async def start(self) -> None:
-        """Serve on the path; SocketInUseError (naming it) if another process serves there."""
         os.makedirs(posixpath.dirname(self.path), mode=0o750, exist_ok=True)
-        check_socket_free(self.path)  # a stale file of an earlier run is removed
-        staging = staging_path(self.path)
-        _unlink(staging)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        self._add_services(server)
-        try:
-            # unix:<path>: gRPC takes one up to sun_path's 107 bytes, a unix://<path> only up to 105.
-            port = server.add_insecure_port("unix:" + staging)
-        except RuntimeError:  # grpcio raises (1.51 and later) where it used to return 0
-            port = 0
-        if not port:
-            raise OSError(f"cannot listen on {staging}")
-        self.server = server
-        await server.start()
-        os.chmod(staging, 0o600)  # only root (kubelet) connects
-        os.replace(staging, self.path)
-        self._identity = FileIdentity.of(self.path)
-
-    async def stop(self, grace: float | None = 0.2) -> None:
-        """Remove the socket (if it is still ours), then stop serving; safe to call twice."""
-        server, self.server = self.server, None
-        # Before the server stops: while it holds the socket's inode, no other file can have its identity.
-        if self._identity is not None and FileIdentity.of(self.path) == self._identity:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-        self._identity = None
-        if server is not None:
-            await server.stop(grace)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        await super().start()

@@ -31,13 +31,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ate_devplugd.backoff import Backoff
 from ate_devplugd.dra import kubeconfig, node, pools
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.credentials import CredentialFiles
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
-from ate_devplugd.session import Backoff
 
 if TYPE_CHECKING:
     from ate_devplugd.dra.metrics import DraMetrics
