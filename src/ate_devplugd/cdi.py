@@ -32,7 +32,7 @@ from ate_devplugd.device_config import DeviceConfig, qualified_name
 from ate_devplugd.devices import Resource
 from ate_devplugd.logs import EventLog
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
 
 #: The lowest version carrying every field written: deviceNodes with fileMode, uid and gid are in the
 #: spec from 0.3.0 on (container-device-interface specs-go v0.3.0). podman 4.3.1 reads 0.1.0 to 0.5.0,

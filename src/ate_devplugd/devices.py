@@ -21,7 +21,10 @@ from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.kernel import KernelView
 from ate_devplugd.logs import EventLog
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
+
+#: The events a look at a device logs when what it finds changes (``Resource.update`` names them).
+EVENTS = ("device-added", "device-removed", "device-unhealthy", "device-healthy", "device-absent")
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"

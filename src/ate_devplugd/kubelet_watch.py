@@ -42,7 +42,10 @@ from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.logs import EventLog
 from ate_devplugd.unixsock import FileIdentity, socket_answers
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
+
+#: The events the plugin directory's own removal and return are logged as (the watch's event kinds).
+EVENTS = ("dir-gone", "dir-back")
 
 KUBELET_SOCKET = "kubelet.sock"
 #: kubelet.sock files held open at once (see the module doc); a session only ever compares against one

@@ -18,9 +18,10 @@ import struct
 
 from ate_devplugd.config import Config
 from ate_devplugd.device_config import DeviceConfig
+from ate_devplugd.logs import EventLog
 from ate_devplugd.unixserver import SocketInUseError, check_socket_free
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
 
 
 class NoPermissionError(Exception):
@@ -47,7 +48,9 @@ def make_plugin_dir(plugin_dir: str) -> None:
         except OSError as exc:
             if exc.errno == errno.EACCES:
                 raise no_permission("create", plugin_dir) from exc
-            log.warning("cannot create %s (%s); waiting for it to appear", plugin_dir, exc.strerror)
+            EventLog(log).warning(
+                "dir-wait", "cannot create %s (%s); waiting for it to appear", plugin_dir, exc.strerror
+            )
         return
     if _access_errno(plugin_dir, os.W_OK | os.X_OK) == errno.EACCES:
         raise no_permission("write", plugin_dir)
@@ -118,7 +121,9 @@ class InstanceLock:
             # Abstract names have no permissions: any local user may bind this one first. A holder of
             # another user is not an ate-devplugd of ours; going on without the lock is safe, because
             # a live socket at our path still stops us.
-            log.warning("the instance lock name is held by uid %s, not by us; going on without it", uid)
+            EventLog(log).warning(
+                "lock-foreign", "the instance lock name is held by uid %s, not by us; going on without it", uid
+            )
             return True
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._answer_probes)

@@ -19,6 +19,8 @@ import os
 import socket
 import time
 
+from ate_devplugd.logs import EventLog
+
 log = logging.getLogger(__name__)
 
 #: Keys that only describe the state: a later value replaces an earlier one still waiting.
@@ -145,7 +147,9 @@ class Notifier:
                     continue
                 if exc.errno != self._failing:
                     self._failing = exc.errno
-                    log.warning("sd_notify to %r failed: %s", self._address, exc.strerror or exc)
+                    EventLog(log).warning(
+                        "notify-failed", "sd_notify to %r failed: %s", self._address, exc.strerror or exc
+                    )
                 return True
             self._failing = None
             return True

@@ -20,7 +20,7 @@ from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.logs import EventLog
 from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport, consequence, decide
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
 
 #: The runtimes' usual CRI sockets, asked in this order when ``runtime_socket`` is not set.
 DEFAULT_RUNTIME_SOCKETS = ("/run/containerd/containerd.sock", "/run/crio/crio.sock")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ate_devplugd import kvm_events
+from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,12 @@ class UdevWatcher:
         try:
             monitor, source = factory()
         except OSError as exc:
-            log.error("cannot open a udev netlink monitor (%s); hotplug will not be seen", exc)  # noqa: TRY400 - no traceback: the errno says it
+            EventLog(log).error("udev-off", "cannot open a udev netlink monitor (%s); hotplug will not be seen", exc)
             return None
         watcher = cls(monitor, subsystems, on_hint)
         watcher.start()
         if source != "udev":
-            log.warning("udevd is not running; following kernel uevents instead")
+            EventLog(log).warning("udev-kernel", "udevd is not running; following kernel uevents instead")
         return watcher
 
     @property
@@ -172,7 +173,7 @@ class UdevWatcher:
             self.vm_announcements += announcements
             log.debug("%d KVM VM announcement(s) left out: a VM's start or end changes no device", announcements)
         if lost:
-            log.warning("udev events were lost (receive buffer full); re-probing every device")
+            EventLog(log).warning("udev-lost", "udev events were lost (receive buffer full); re-probing every device")
             events.append(UEvent("lost", "", "", None))
         if events:
             self._on_hint(events)
