@@ -5,8 +5,8 @@ in the order a device reaches a container: the config, the devices (present with
 major:minor, KVM able to create a VM, the host's owner and mode), the daemon (running, its sockets
 answering, registered with kubelet), kubelet (its socket, its version, the cgroup version), the
 container runtime (whether it applies our CDI names and reads our spec directory) and, in DRA mode,
-the API side (``dra/doctor.py``). A fleet tool runs it over ssh and reads ``--json``; the exit status
-is 1 when anything fails.
+the API side (``dra/doctor.py``). A fleet tool runs it over ssh and reads ``--json``; the lines, the
+JSON and the exit status (1 when anything fails) are ``findings.py``'s.
 
 Nothing here changes the node: the KVM check creates a VM and closes it at once, the daemon's sockets
 get the calls ``probe`` makes, the runtime gets the questions the daemon asks.
@@ -15,10 +15,8 @@ get the calls ``probe`` makes, the runtime gets the questions the daemon asks.
 from __future__ import annotations
 
 import asyncio
-import enum
 import errno
 import grp
-import json
 import os
 import posixpath
 import pwd
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING
 from ate_devplugd import config as configmod
 from ate_devplugd import devices, runtime_cdi
 from ate_devplugd.config import Config, ConfigError, DeviceConfig
+from ate_devplugd.findings import Finding, Level, fail, ok, warn
 from ate_devplugd.kernel import KernelView
 from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.lock import InstanceLock
@@ -49,22 +48,6 @@ TIMEOUT = 5.0
 MOUNTINFO = "/proc/self/mountinfo"
 
 
-class Level(enum.Enum):
-    OK = "OK"
-    WARN = "WARN"
-    FAIL = "FAIL"
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One check's outcome: ``check`` names what was looked at (``device ate.dev/kvm``)."""
-
-    check: str
-    level: Level
-    message: str
-    remedy: str = ""
-
-
 @dataclass
 class Node:
     """Where the doctor looks: the real node by default; tests point it elsewhere."""
@@ -75,18 +58,6 @@ class Node:
     mountinfo: str = MOUNTINFO
     #: The daemon's metrics file is read for what only the daemon knows (registration).
     read_metrics: Callable[[str], str] = field(default=lambda path: Path(path).read_text(encoding="utf-8"))
-
-
-def ok(check: str, message: str) -> Finding:
-    return Finding(check, Level.OK, message)
-
-
-def warn(check: str, message: str, remedy: str = "") -> Finding:
-    return Finding(check, Level.WARN, message, remedy)
-
-
-def fail(check: str, message: str, remedy: str = "") -> Finding:
-    return Finding(check, Level.FAIL, message, remedy)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -120,10 +91,6 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
 def _default_source() -> str:
     path = configmod.DEFAULT_CONFIG_PATH
     return path if os.path.exists(path) else "built-in defaults"
-
-
-def failed(findings: Sequence[Finding]) -> bool:
-    return any(f.level is Level.FAIL for f in findings)
 
 
 # -- devices ---------------------------------------------------------------------------------------
@@ -444,24 +411,3 @@ def cdi_remedy(cfg: Config, report: RuntimeReport) -> str:
             "restart containerd, then kubelet"
         )
     return f"upgrade {report.name} (CRI-O 1.28 or later applies CDI names)"
-
-
-# -- output ----------------------------------------------------------------------------------------
-
-
-def render(findings: Sequence[Finding]) -> str:
-    """One line each: level, check, what was found, and the remedy after a dash."""
-    width = max((len(f.check) for f in findings), default=0)
-    lines = []
-    for f in findings:
-        line = f"{f.level.value:<4}  {f.check:<{width}}  {f.message}"
-        if f.remedy and f.level is not Level.OK:
-            line += f" -- {f.remedy}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def render_json(findings: Sequence[Finding]) -> str:
-    checks = [{"check": f.check, "level": f.level.value, "message": f.message, "remedy": f.remedy} for f in findings]
-    summary = {level.value: sum(1 for f in findings if f.level is level) for level in Level}
-    return json.dumps({"ok": not failed(findings), "summary": summary, "checks": checks}, indent=2)

@@ -17,11 +17,12 @@ import yaml
 
 from ate_devplugd import cli, session
 from ate_devplugd.config import Config, DeviceConfig, render
-from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
-from ate_devplugd.doctor import render as render_text
+from ate_devplugd.doctor import Node, examine
 from ate_devplugd.dra import manifests
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import DraResource, build_pools, slice_spec
+from ate_devplugd.findings import Finding, Level, failed, render_json
+from ate_devplugd.findings import render as render_text
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.integration.dra_rig import NODE, TOKEN, write_kubeconfig

@@ -20,11 +20,11 @@ import asyncio
 from typing import Any
 
 from ate_devplugd.config import Config
-from ate_devplugd.doctor import Finding, fail, ok, warn
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiErrorKind, ApiUnavailable
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import pool_name
+from ate_devplugd.findings import Finding, fail, ok, warn
 
 DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
 APPLY = "ate-devplugd dra-manifests --kubelet-credentials | kubectl apply -f -"
