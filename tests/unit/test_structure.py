@@ -100,6 +100,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.daemon",
                 "ate_devplugd.nodeprobe",
                 "ate_devplugd.doctor",
+                "ate_devplugd.doctor_daemon",
+                "ate_devplugd.doctor_runtime",
                 "ate_devplugd.dra.doctor",
                 "ate_devplugd.dra.probe",
                 "ate_devplugd.dra.manifests",

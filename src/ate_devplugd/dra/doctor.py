@@ -3,7 +3,7 @@
 With the daemon's own credentials (the ``[dra]`` kubeconfig): the API server answers; each resource has
 a DeviceClass whose ``extendedResourceName`` is the resource (what lets a pod's ``ate.dev/kvm: 1`` become
 a claim); this node's slice of each resource is published, with devices in it. Whether kubelet holds the
-driver's registration is the daemon's to say (its metrics, read by ``doctor.registration_finding``).
+driver's registration is the daemon's to say (its metrics, read by ``doctor_daemon.registration_finding``).
 
 kubelet's own credentials may not read DeviceClasses (neither the Node authorizer nor any default RBAC
 binding grants a node that); the service account of ``dra-manifests`` may. With kubelet's, the
