@@ -311,12 +311,12 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
 def _doctor(config_path: str | None, *, as_json: bool) -> int:
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
-    from ate_devplugd import doctor  # noqa: PLC0415 - gRPC and the kernel view only for this command
+    from ate_devplugd import doctor, findings  # noqa: PLC0415 - gRPC and the kernel view only for this command
     from ate_devplugd.kernel import UdevKernelView  # noqa: PLC0415
 
-    findings = asyncio.run(doctor.examine(config_path, doctor.Node(kernel=UdevKernelView())))
-    print(doctor.render_json(findings) if as_json else doctor.render(findings))
-    return EX_FAILURE if doctor.failed(findings) else os.EX_OK
+    found = asyncio.run(doctor.examine(config_path, doctor.Node(kernel=UdevKernelView())))
+    print(findings.render_json(found) if as_json else findings.render(found))
+    return findings.exit_status(found)
 
 
 def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) -> int:

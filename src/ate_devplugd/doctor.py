@@ -3,10 +3,12 @@
 One node, one verdict: each check is one ``Finding`` (OK, WARN or FAIL, what was found, and the remedy),
 in the order a device reaches a container: the config, the devices (present with the kernel's
 major:minor, KVM able to create a VM, the host's owner and mode), the daemon (running, its sockets
-answering, registered with kubelet), kubelet (its socket, its version, the cgroup version), the
-container runtime (whether it applies our CDI names and reads our spec directory) and, in DRA mode,
-the API side (``dra/doctor.py``). A fleet tool runs it over ssh and reads ``--json``; the exit status
-is 1 when anything fails.
+answering, registered with kubelet: ``doctor_daemon.py``), kubelet (its socket, its version, the cgroup
+version), the container runtime (whether it applies our CDI names and reads our spec directory:
+``doctor_runtime.py``) and, in DRA mode, the API side (``dra/doctor.py``). This module runs them in
+that order and holds the checks of the host itself: the devices, kubelet and cgroups. A fleet tool
+runs it over ssh and reads ``--json``; the lines, the JSON and the exit status (1 when anything fails)
+are ``findings.py``'s.
 
 Nothing here changes the node: the KVM check creates a VM and closes it at once, the daemon's sockets
 get the calls ``probe`` makes, the runtime gets the questions the daemon asks.
@@ -15,10 +17,8 @@ get the calls ``probe`` makes, the runtime gets the questions the daemon asks.
 from __future__ import annotations
 
 import asyncio
-import enum
 import errno
 import grp
-import json
 import os
 import posixpath
 import pwd
@@ -28,42 +28,22 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ate_devplugd import config as configmod
-from ate_devplugd import devices, runtime_cdi, runtime_facts
+from ate_devplugd import devices, doctor_daemon, doctor_runtime, runtime_cdi, runtime_facts
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.device_config import DeviceConfig
+from ate_devplugd.findings import Finding, Level, fail, ok, warn
 from ate_devplugd.kernel import KernelView
 from ate_devplugd.kubelet_watch import KUBELET_SOCKET
-from ate_devplugd.lock import InstanceLock
 from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
 from ate_devplugd.unixsock import socket_answers
-
-if TYPE_CHECKING:
-    from ate_devplugd.podresources import Allocatable
 
 #: Where ``kubelet --version`` is looked for when it is not on PATH.
 KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet")
 #: How long a call to a socket, kubelet or the API server may take.
 TIMEOUT = 5.0
 MOUNTINFO = "/proc/self/mountinfo"
-
-
-class Level(enum.Enum):
-    OK = "OK"
-    WARN = "WARN"
-    FAIL = "FAIL"
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One check's outcome: ``check`` names what was looked at (``device ate.dev/kvm``)."""
-
-    check: str
-    level: Level
-    message: str
-    remedy: str = ""
 
 
 @dataclass
@@ -76,18 +56,6 @@ class Node:
     mountinfo: str = MOUNTINFO
     #: The daemon's metrics file is read for what only the daemon knows (registration).
     read_metrics: Callable[[str], str] = field(default=lambda path: Path(path).read_text(encoding="utf-8"))
-
-
-def ok(check: str, message: str) -> Finding:
-    return Finding(check, Level.OK, message)
-
-
-def warn(check: str, message: str, remedy: str = "") -> Finding:
-    return Finding(check, Level.WARN, message, remedy)
-
-
-def fail(check: str, message: str, remedy: str = "") -> Finding:
-    return Finding(check, Level.FAIL, message, remedy)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -108,9 +76,9 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
     report = await runtime_cdi.ask(cfg.runtime_socket, cfg.cdi_dir, TIMEOUT)
     for dev in cfg.devices:
         findings += device_findings(cfg, dev, node.kernel, report)
-    findings += await daemon_findings(cfg, node)
+    findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
     findings += await kubelet_findings(cfg, node)
-    findings += runtime_findings(cfg, report)
+    findings += doctor_runtime.findings(cfg, report)
     if cfg.mode == "dra" and cfg.dra is not None:
         from ate_devplugd.dra import doctor as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
 
@@ -121,10 +89,6 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
 def _default_source() -> str:
     path = configmod.DEFAULT_CONFIG_PATH
     return path if os.path.exists(path) else "built-in defaults"
-
-
-def failed(findings: Sequence[Finding]) -> bool:
-    return any(f.level is Level.FAIL for f in findings)
 
 
 # -- devices ---------------------------------------------------------------------------------------
@@ -208,105 +172,6 @@ def access_finding(cfg: Config, dev: DeviceConfig, node: str, report: RuntimeRep
     if not dev.cdi:
         return warn(check, f"{why}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)")
     return warn(check, f"{why}: the runtime does not apply its CDI spec (see runtime)", "fix the runtime line below")
-
-
-# -- the daemon ------------------------------------------------------------------------------------
-
-
-def daemon_pid(cfg: Config) -> int | None:
-    """The pid of the ate-devplugd holding the instance lock of ``cfg``, None when none runs."""
-    holder = InstanceLock.of(cfg).holder()
-    return None if holder is None else holder[0]
-
-
-async def daemon_findings(cfg: Config, node: Node) -> list[Finding]:
-    """Running; its sockets answer as kubelet would ask them; kubelet holds its registration."""
-    pid = daemon_pid(cfg)
-    if pid is None:
-        return [
-            fail("daemon", "ate-devplugd is not running", "systemctl start ate-devplugd; journalctl -u ate-devplugd")
-        ]
-    out = [ok("daemon", f"running (pid {pid})")]
-    if cfg.mode == "dra":
-        return out + [dra_registration_finding(cfg, dev.resource, node) for dev in cfg.devices]
-    from ate_devplugd import nodeprobe, podresources  # noqa: PLC0415 - gRPC only when the daemon runs
-
-    held: podresources.Allocatable | str
-    try:
-        held = await podresources.allocatable(podresources.socket_for(cfg.plugin_dir), TIMEOUT)
-    except podresources.Unanswered as exc:
-        held = str(exc)
-    for dev in cfg.devices:
-        check = f"socket {dev.resource}"
-        if not os.path.exists(posixpath.join(cfg.plugin_dir, dev.socket_name)):
-            out.append(fail(check, f"no {dev.socket_name} in {cfg.plugin_dir}", "systemctl status ate-devplugd"))
-            continue
-        row = await nodeprobe.probe_socket(cfg.plugin_dir, dev.socket_name, dev.resource, TIMEOUT)
-        if row.error:
-            out.append(fail(check, f"{dev.socket_name}: {row.error}", "systemctl restart ate-devplugd"))
-        elif row.healthy < row.total or not row.total:
-            out.append(warn(check, f"answers, {row.healthy}/{row.total} units healthy", "see the device line"))
-        else:
-            out.append(ok(check, f"answers: {row.healthy}/{row.total} healthy, Allocate grants {row.grants}"))
-        out.append(registration_finding(cfg, dev.resource, node, held))
-    return out
-
-
-def metric_value(text: str, name: str, resource: str) -> float | None:
-    """One sample of the daemon's metrics file (its own exposition: one sample per line)."""
-    pattern = re.compile(rf'^{re.escape(name)}\{{resource="{re.escape(resource)}"\}} (\S+)$', re.MULTILINE)
-    m = pattern.search(text)
-    return float(m[1]) if m else None
-
-
-def dra_registration_finding(cfg: Config, resource: str, node: Node) -> Finding:
-    """DRA mode: a kubelet that does not answer holds no registration, whatever the metrics file (written
-    shortly after a change) says; else as ``registration_finding``."""
-    if not socket_answers(posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)):
-        message = "not registered: kubelet does not answer (see kubelet)"
-        return fail(f"registered {resource}", message, "systemctl status kubelet")
-    return registration_finding(cfg, resource, node)
-
-
-def registration_finding(cfg: Config, resource: str, node: Node, held: Allocatable | str = "") -> Finding:
-    """Whether kubelet holds the resource: in device-plugin mode kubelet's own pod-resources API says which
-    units it offers (``held``; the text of why it could not be asked otherwise); without it, the daemon's
-    metrics file says what the daemon knows."""
-    check = f"registered {resource}"
-    if not isinstance(held, str):
-        return offered_finding(check, held.units.get(resource, 0))
-    return metrics_finding(cfg, check, resource, node, f"; pod-resources API: {held}" if held else "")
-
-
-def metrics_finding(cfg: Config, check: str, resource: str, node: Node, asked: str) -> Finding:
-    """What the daemon's metrics file says of the registration (``asked``: why kubelet was not asked)."""
-    if not cfg.metrics_file:
-        return warn(check, f"cannot tell: metrics_file is off{asked}", "systemctl status ate-devplugd shows it")
-    try:
-        text = node.read_metrics(cfg.metrics_file)
-    except OSError as exc:
-        return warn(
-            check, f"cannot tell: {cfg.metrics_file}: {exc.strerror}{asked}", "systemctl status ate-devplugd shows it"
-        )
-    registered = metric_value(text, "ate_devplugd_registered", resource)
-    if registered is None:
-        return warn(check, f"cannot tell: {cfg.metrics_file} has no registration for it")
-    if registered != 1:
-        return fail(check, "kubelet holds no registration of it", "systemctl status ate-devplugd; is kubelet running?")
-    if cfg.mode != "dra" and metric_value(text, "ate_devplugd_listandwatch_streams", resource) == 0:
-        return fail(check, "registered, but kubelet closed its ListAndWatch stream", "systemctl restart kubelet")
-    return ok(check, "kubelet holds its registration")
-
-
-def offered_finding(check: str, units: int) -> Finding:
-    """What kubelet's pod-resources API says it offers of the resource."""
-    if units:
-        return ok(check, f"kubelet offers {units} units of it (its pod-resources API)")
-    return fail(
-        check,
-        "kubelet offers no unit of it (its pod-resources API)",
-        "systemctl status ate-devplugd (its STATUS says why); journalctl -u ate-devplugd",
-    )
 
 
 # -- kubelet, cgroups ------------------------------------------------------------------------------
@@ -406,63 +271,3 @@ async def kubelet_findings(cfg: Config, node: Node) -> list[Finding]:
     }.get(cgroups, "not found")
     out.append(ok("cgroup", f"{cgroups}: {explain}") if cgroups != "unknown" else warn("cgroup", "version unknown"))
     return out
-
-
-# -- the runtime -----------------------------------------------------------------------------------
-
-
-def runtime_findings(cfg: Config, report: RuntimeReport) -> list[Finding]:
-    """The runtime's name and version, and what it does with CDI names where any resource uses them."""
-    if not report.name:
-        remedy = "is the runtime running? set runtime_socket where its CRI socket is elsewhere"
-        runtime = warn("runtime", f"no answer ({report.reason})", remedy)
-    else:
-        runtime = ok("runtime", f"{report.runtime} at {report.socket}")
-    if not runtime_cdi.wanted(any(dev.cdi for dev in cfg.devices), cfg.mode):
-        return [runtime, ok("runtime cdi", "no resource uses CDI")]
-    message = f"{report.describe()}: {runtime_facts.consequence(report.verdict, cfg.mode)}"
-    if report.verdict is CdiVerdict.APPLIED:
-        return [runtime, ok("runtime cdi", report.describe())]
-    if report.verdict is CdiVerdict.UNKNOWN:
-        return [runtime, warn("runtime cdi", message, "ate-devplugd doctor again once the runtime answers")]
-    return [runtime, fail("runtime cdi", message, cdi_remedy(cfg, report))]
-
-
-def cdi_remedy(cfg: Config, report: RuntimeReport) -> str:
-    version = runtime_facts.parse_version(report.version) or (0, 0, 0)
-    if report.verdict is CdiVerdict.DIR_NOT_READ:
-        where = (
-            '[plugins."io.containerd.grpc.v1.cri"] cdi_spec_dirs'
-            if report.name == "containerd"
-            else "[crio.runtime] cdi_spec_dirs"
-        )
-        return f"add {cfg.cdi_dir} to {where} and restart the runtime, or set cdi_dir to a directory it reads"
-    if report.name == "containerd" and version < (1, 7, 2):
-        return "upgrade containerd to 1.7.2 or later (with enable_cdi = true) or 2.x"
-    if report.name == "containerd":
-        return (
-            'set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] of /etc/containerd/config.toml, '
-            "restart containerd, then kubelet"
-        )
-    return f"upgrade {report.name} (CRI-O 1.28 or later applies CDI names)"
-
-
-# -- output ----------------------------------------------------------------------------------------
-
-
-def render(findings: Sequence[Finding]) -> str:
-    """One line each: level, check, what was found, and the remedy after a dash."""
-    width = max((len(f.check) for f in findings), default=0)
-    lines = []
-    for f in findings:
-        line = f"{f.level.value:<4}  {f.check:<{width}}  {f.message}"
-        if f.remedy and f.level is not Level.OK:
-            line += f" -- {f.remedy}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def render_json(findings: Sequence[Finding]) -> str:
-    checks = [{"check": f.check, "level": f.level.value, "message": f.message, "remedy": f.remedy} for f in findings]
-    summary = {level.value: sum(1 for f in findings if f.level is level) for level in Level}
-    return json.dumps({"ok": not failed(findings), "summary": summary, "checks": checks}, indent=2)

@@ -1,4 +1,4 @@
-"""The daemon's metrics, kept on its event loop and rendered in the Prometheus text format.
+"""The daemon's metrics: what it counts, kept on its event loop, and the families they render as.
 
 node_exporter's textfile collector publishes them (``textfile.TextfileWriter`` writes the file); the
 daemon opens no port. Every call here is made from the daemon's one asyncio loop: plain attribute
@@ -13,26 +13,20 @@ cannot bring back the series of a resource that left the config. The mode in use
 gauges (what kubelet is offered differs by mode); a mode's own series (DRA mode's) are rendered after
 these through ``add_source``.
 
-The file is rendered here, in the text format 0.0.4 (``exposition``), from the ``Family`` values
+The file is rendered in the text format 0.0.4 (``promtext.exposition``) from the ``Family`` values
 ``Metrics.families`` builds on each render: one family per metric, a resource's samples there (at
-zero) from the moment it is added and gone with it, counters without a ``_created`` series. A new
-series is one more ``Family`` in ``families``, with ``add_metric`` per sample. prometheus_client is
-not used: of it a textfile writer needs only the rendering of gauges and counters, while importing
-its package (with an HTTP server, WSGI, URL and e-mail code, process and platform collectors) costs
-3.6 MiB of RSS, more than a third of what the daemon adds to the libraries it needs. The tests read
-the rendered text with prometheus_client's own parser beside its own rendering of the same families,
-with promtool and through a real node_exporter scrape.
+zero) from the moment it is added and gone with it. A new series is one more ``Family`` in
+``families``, with ``add_metric`` per sample.
 """
 
 from __future__ import annotations
 
-import enum
-import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ate_devplugd import __version__
+from ate_devplugd.promtext import Family, exposition
 from ate_devplugd.runtime_facts import CdiVerdict
 
 PREFIX = "ate_devplugd_"
@@ -274,97 +268,3 @@ class Metrics:
             yield cdi
         for source in self._sources:
             yield from source.families()
-
-
-# -- the text format -----------------------------------------------------------------------------------
-
-
-class MetricType(enum.Enum):
-    """A family's TYPE in the text format, and the suffix of its plain samples' names."""
-
-    GAUGE = "gauge"
-    COUNTER = "counter"
-    HISTOGRAM = "histogram"
-
-
-#: One sample: its name's suffix (``_total``, ``_bucket``, ...), its labels in order, its value.
-Sample = tuple[str, tuple[tuple[str, str], ...], float]
-
-
-@dataclass
-class Family:
-    """One metric family: its name (a counter's without ``_total``), help, label names and samples."""
-
-    name: str
-    type: MetricType
-    help: str
-    labels: tuple[str, ...] = ()
-    samples: list[Sample] = field(default_factory=list)
-
-    @classmethod
-    def gauge(cls, name: str, help_text: str, *labels: str) -> Family:
-        return cls(name, MetricType.GAUGE, help_text, labels)
-
-    @classmethod
-    def counter(cls, name: str, help_text: str, *labels: str) -> Family:
-        return cls(name, MetricType.COUNTER, help_text, labels)
-
-    @classmethod
-    def histogram(cls, name: str, help_text: str, buckets: Iterable[tuple[float, int]], total: float) -> Family:
-        """A histogram without labels: ``buckets`` are (upper bound, observations up to it) with the last
-        bound +Inf (its count is ``_count``), ``total`` the sum of the observations."""
-        family = cls(name, MetricType.HISTOGRAM, help_text)
-        count = 0
-        for bound, count in buckets:
-            family.samples.append(("_bucket", (("le", _value(float(bound))),), count))
-        if not family.samples or family.samples[-1][1] != (("le", "+Inf"),):
-            raise ValueError(f"{name}: the last bucket must be +Inf")
-        family.samples += [("_count", (), count), ("_sum", (), total)]
-        return family
-
-    def add_metric(self, label_values: Iterable[str], value: float) -> None:
-        """One sample of a gauge or counter: a value for each label name, in order."""
-        values = tuple(label_values)
-        if len(values) != len(self.labels):
-            raise ValueError(f"{self.name}: {len(self.labels)} label values expected, got {values!r}")
-        suffix = "_total" if self.type is MetricType.COUNTER else ""
-        self.samples.append((suffix, tuple(zip(self.labels, values, strict=True)), value))
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _escape_label(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _value(value: float) -> str:
-    """A sample value: whole numbers (booleans, counts) exactly, any other float as Python writes it."""
-    if isinstance(value, bool | int):
-        return str(int(value))
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(value)
-
-
-def exposition(families: Iterable[Family]) -> bytes:
-    """The text format 0.0.4: per family its HELP and TYPE lines, then one line per sample.
-
-    A counter's name takes ``_total`` on every line, as OpenMetrics names counters (and promtool's
-    lint asks); a histogram's samples are its ``_bucket`` lines, ``_count`` and ``_sum``. Labels go in
-    name order (as prometheus_client wrote them). Help text and label values are escaped as the format
-    says (backslash, newline and, in label values, the double quote).
-    """
-    lines: list[str] = []
-    for family in families:
-        name = family.name + "_total" if family.type is MetricType.COUNTER else family.name
-        lines.append(f"# HELP {name} {_escape_help(family.help)}")
-        lines.append(f"# TYPE {name} {family.type.value}")
-        for suffix, labels, value in family.samples:
-            pairs = ",".join(f'{label}="{_escape_label(v)}"' for label, v in sorted(labels))
-            sample = family.name + suffix
-            lines.append(f"{sample}{{{pairs}}} {_value(value)}" if pairs else f"{sample} {_value(value)}")
-    return ("\n".join(lines) + "\n").encode() if lines else b""

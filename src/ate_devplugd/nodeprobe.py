@@ -8,13 +8,13 @@ import asyncio
 import os
 import posixpath
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.devices import HEALTHY
+from ate_devplugd.findings import format_table
 from ate_devplugd.kubelet_watch import KUBELET_SOCKET
 from ate_devplugd.servicer import TOOL_METADATA
 from ate_devplugd.unixsock import unix_target
@@ -94,12 +94,3 @@ def render(rows: list[Row]) -> str:
         grants = row.grants if not row.error else f"ERROR {row.error}"
         table.append((row.resource, row.socket, units, row.cdi or "-", grants))
     return format_table(table)
-
-
-def format_table(table: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell; the last one as it is."""
-    last = len(table[0]) - 1
-    widths = [max(len(r[i]) for r in table) for i in range(last)]
-    return "\n".join(
-        "  ".join(cell.ljust(widths[i]) if i < last else cell for i, cell in enumerate(r)).rstrip() for r in table
-    )

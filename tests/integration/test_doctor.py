@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import grp
 import json
 import os
+import pwd
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,12 @@ import yaml
 from ate_devplugd import cli, session
 from ate_devplugd.config import Config, render
 from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.doctor import Finding, Level, Node, examine, failed, render_json
-from ate_devplugd.doctor import render as render_text
+from ate_devplugd.doctor import Node, examine
 from ate_devplugd.dra import manifests
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import DraResource, build_pools, slice_spec
+from ate_devplugd.findings import Finding, Level, failed, render_json
+from ate_devplugd.findings import render as render_text
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.integration.dra_rig import NODE, TOKEN, write_kubeconfig
@@ -103,6 +106,86 @@ class TestAllRight:
         assert checks["runtime cdi"].message == f"containerd 1.7.24~ds1 applies CDI (reads {config.cdi_dir})"
         assert checks["kubelet version"].message == "v1.31.2: passes CDI names to the runtime"
         assert all(line.startswith("OK    ") for line in text.splitlines())
+
+
+#: The cgroup v2 mount as /proc/self/mountinfo shows it.
+CGROUP2_MOUNTINFO = "30 1 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n"
+#: A typical run's findings (check, level, message, remedy): the daemon registered, kubelet 1.31, containerd
+#: 1.7 with enable_cdi = false. ``{tmp}``, ``{pid}``, ``{owner}`` and ``{gid}`` stand for the run's own.
+TYPICAL = [
+    ("config", "OK", "{tmp}/config.toml: 1 device(s), device-plugin mode", ""),
+    ("device ate.dev/kvm", "OK", "/dev/kvm: character device 10:232", ""),
+    ("kvm ate.dev/kvm", "OK", "KVM API 12; KVM_CREATE_VM works", ""),
+    (
+        "access ate.dev/kvm",
+        "WARN",
+        "host 0660 {owner}: a VMM that is not root (nor in the node's gid {gid}) gets EACCES: the runtime does not "
+        "apply its CDI spec (see runtime)",
+        "fix the runtime line below",
+    ),
+    ("daemon", "OK", "running (pid {pid})", ""),
+    ("socket ate.dev/kvm", "OK", "answers: 4096/4096 healthy, Allocate grants /dev/kvm -> /dev/kvm (rw)", ""),
+    ("registered ate.dev/kvm", "OK", "kubelet offers 4096 units of it (its pod-resources API)", ""),
+    ("kubelet", "OK", "{tmp}/device-plugins/kubelet.sock answers", ""),
+    ("kubelet version", "OK", "v1.31.2: passes CDI names to the runtime", ""),
+    ("cgroup", "OK", "v2: the runtime grants the device with an eBPF device program", ""),
+    ("runtime", "OK", "containerd 1.7.24 at {tmp}/runtime.sock", ""),
+    (
+        "runtime cdi",
+        "FAIL",
+        "containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node (owner and mode), so "
+        "a non-root VMM gets EACCES",
+        'set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] of /etc/containerd/config.toml, restart '
+        "containerd, then kubelet",
+    ),
+]
+TYPICAL_TEXT = """\
+OK    config                  {tmp}/config.toml: 1 device(s), device-plugin mode
+OK    device ate.dev/kvm      /dev/kvm: character device 10:232
+OK    kvm ate.dev/kvm         KVM API 12; KVM_CREATE_VM works
+WARN  access ate.dev/kvm      host 0660 {owner}: a VMM that is not root (nor in the node's gid {gid}) gets EACCES: \
+the runtime does not apply its CDI spec (see runtime) -- fix the runtime line below
+OK    daemon                  running (pid {pid})
+OK    socket ate.dev/kvm      answers: 4096/4096 healthy, Allocate grants /dev/kvm -> /dev/kvm (rw)
+OK    registered ate.dev/kvm  kubelet offers 4096 units of it (its pod-resources API)
+OK    kubelet                 {tmp}/device-plugins/kubelet.sock answers
+OK    kubelet version         v1.31.2: passes CDI names to the runtime
+OK    cgroup                  v2: the runtime grants the device with an eBPF device program
+OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock
+FAIL  runtime cdi             containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node \
+(owner and mode), so a non-root VMM gets EACCES -- set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] \
+of /etc/containerd/config.toml, restart containerd, then kubelet"""
+
+
+class TestTypicalRun:
+    async def test_text_and_json_as_printed(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """The whole output of one run, byte for byte: the lines (aligned, remedy after the dash) and the JSON
+        (its keys in order, indented by two)."""
+        config, path = node_config(tmp_path, plugin_dir, fake_root)
+        host_node(fake_root)
+        mountinfo = tmp_path / "mountinfo"
+        mountinfo.write_text(CGROUP2_MOUNTINFO)
+        runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "1.7.24", containerd_info(False)).start()
+        kubelet = await started_kubelet(plugin_dir)
+        binary = kubelet_binary(tmp_path, "v1.31.2")
+        node = Node(kernel=kernel, find_kubelet=lambda: str(binary), mountinfo=str(mountinfo))
+        try:
+            async with daemon_in_process(config, kernel):
+                await kubelet.next_event("list")
+                findings = await examine(path, node)
+        finally:
+            await kubelet.stop()
+            await runtime.stop()
+        st = os.stat(fake_root / "dev" / "kvm")
+        owner = f"{pwd.getpwuid(st.st_uid).pw_name}:{grp.getgrgid(st.st_gid).gr_name}"
+        run = {"tmp": str(tmp_path), "pid": str(os.getpid()), "owner": owner, "gid": str(st.st_gid)}
+        assert render_text(findings) == TYPICAL_TEXT.format(**run)
+        checks = [{"check": c, "level": level, "message": m.format(**run), "remedy": r} for c, level, m, r in TYPICAL]
+        summary = {"OK": 10, "WARN": 1, "FAIL": 1}
+        assert render_json(findings) == json.dumps({"ok": False, "summary": summary, "checks": checks}, indent=2)
+        assert failed(findings)
 
 
 class TestRegistration:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.doctor import Level
 from ate_devplugd.dra import doctor, slices
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.slices import SliceState
+from ate_devplugd.findings import Level
 from tests.fakes.apiserver import FakeApiServer
 from tests.integration.dra_rig import DRIVER, NODE, POOL, Rig, rig, write_kubeconfig, write_token
 from tests.support import kvm_config

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from ate_devplugd.config import Config, render
-from ate_devplugd.doctor import Level, Node, examine
-from ate_devplugd.doctor import render as render_doctor
+from ate_devplugd.doctor import Node, examine
+from ate_devplugd.findings import Level
+from ate_devplugd.findings import render as render_doctor
 from ate_devplugd.kernel import UdevKernelView
 from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME
 from ate_devplugd.runtime_facts import CdiVerdict

@@ -1,5 +1,6 @@
-"""The metrics and their textfile writer, in-process: values, label sets, atomic and coalesced writes,
-no timer while idle, and faults of the metrics directory (missing, unwritable, read-only, full).
+"""The metrics, their text format and their textfile writer, in-process: values, label sets, the text as
+prometheus_client writes it, atomic and coalesced writes, no timer while idle, and faults of the metrics
+directory (missing, unwritable, read-only, full).
 
 Writes are counted with real inotify (IN_MOVED_TO of the file's name), not by wrapping the writer.
 """
@@ -27,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ate_devplugd import __version__, atomicfile, config
 from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.prepare import ClaimProblem
-from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Family, Metrics, MetricType, exposition
+from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
+from ate_devplugd.promtext import Family, MetricType, exposition
 from ate_devplugd.runtime_facts import CdiVerdict
 from ate_devplugd.textfile import PROMPT_INTERVAL, TextfileWriter
 from tests.prometheus_tools import watching

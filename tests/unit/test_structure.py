@@ -101,6 +101,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.daemon",
                 "ate_devplugd.nodeprobe",
                 "ate_devplugd.doctor",
+                "ate_devplugd.doctor_daemon",
+                "ate_devplugd.doctor_runtime",
                 "ate_devplugd.dra.doctor",
                 "ate_devplugd.dra.probe",
                 "ate_devplugd.dra.manifests",
@@ -227,7 +229,6 @@ def crosses(src: str, dst: str, layers: dict[str, int]) -> bool:
     return mine is not None or layers.get(src, COMMANDS) < COMMANDS
 
 
-@MOVING
 def test_a_mode_uses_only_its_own_and_shared_modules() -> None:
     layers = layer_of()
     crossing = sorted(

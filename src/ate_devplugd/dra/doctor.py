@@ -3,7 +3,7 @@
 With the daemon's own credentials (the ``[dra]`` kubeconfig): the API server answers; each resource has
 a DeviceClass whose ``extendedResourceName`` is the resource (what lets a pod's ``ate.dev/kvm: 1`` become
 a claim); this node's slice of each resource is published, with devices in it. Whether kubelet holds the
-driver's registration is the daemon's to say (its metrics, read by ``doctor.registration_finding``).
+driver's registration is the daemon's to say (its metrics, read by ``doctor_daemon.registration_finding``).
 
 kubelet's own credentials may not read DeviceClasses (neither the Node authorizer nor any default RBAC
 binding grants a node that); the service account of ``dra-manifests`` may. With kubelet's, the
@@ -20,11 +20,11 @@ import asyncio
 from typing import Any
 
 from ate_devplugd.config import Config
-from ate_devplugd.doctor import Finding, fail, ok, warn
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiErrorKind, ApiUnavailable
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import pool_name
+from ate_devplugd.findings import Finding, fail, ok, warn
 
 DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
 APPLY = "ate-devplugd dra-manifests --kubelet-credentials | kubectl apply -f -"

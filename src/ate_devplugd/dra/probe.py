@@ -26,7 +26,7 @@ from ate_devplugd.dra import kubeconfig, pools
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.service import PLUGIN_TYPE
-from ate_devplugd.nodeprobe import format_table
+from ate_devplugd.findings import format_table
 
 #: kubelet's deadline for GetInfo (its plugin watcher gives up after this).
 GET_INFO_TIMEOUT = 1.0
