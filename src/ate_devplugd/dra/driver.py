@@ -196,7 +196,7 @@ class DraDriver:
     def status(self) -> DraStatus:
         pub = self.publisher
         detail = self._kubelet_detail if self.kubelet is KubeletLink.REFUSED else pub.detail
-        return DraStatus(self.kubelet, pub.state, pub.published_devices, pub.sharing_dropped, detail)
+        return DraStatus(self.kubelet, pub.state, sum(pub.published.values()), pub.sharing_dropped, detail)
 
     async def stop(self) -> None:
         """Stop the publisher and both servers; the sockets are gone when this returns."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ate_devplugd.dra.apiclient import ApiErrorKind
 from ate_devplugd.dra.prepare import ClaimProblem
-from ate_devplugd.dra.slices import PublishReason
+from ate_devplugd.dra.slice_plan import PublishReason
 from ate_devplugd.metrics import Family
 
 if TYPE_CHECKING:
