@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.dra import doctor, slices
+from ate_devplugd.dra import doctor, reconnect
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.slices import SliceState
 from ate_devplugd.findings import Level
@@ -32,7 +32,7 @@ def delays(records: list[logging.LogRecord]) -> list[float]:
 
 
 async def node_lookups(r: Rig, count: int) -> None:
-    """Until the driver has asked for its Node ``count`` more times (each session starts so)."""
+    """Until the driver has asked for its Node ``count`` more times (each connection starts so)."""
     for _ in range(count):
         await r.api.next_request("GET /api/v1/nodes", timeout=10)
 
@@ -66,7 +66,7 @@ class TestAfterTheApiServerReturns:
             prepare = asyncio.ensure_future(r.kubelet.prepare(DRIVER, ("ns", claim, "vm")))
             prepared_at: list[float] = []
             prepare.add_done_callback(lambda _: prepared_at.append(loop.time()))
-            await node_lookups(r, 3)  # three sessions refused (about 1.5-3 s of refusals)
+            await node_lookups(r, 3)  # three connections refused (about 1.5-3 s of refusals)
             assert not prepare.done()
             refused = r.log.records[seen:]
             ready = loop.time()
@@ -86,7 +86,7 @@ class TestAfterTheApiServerReturns:
             # prepare; the back-off the outage built up was 30 s.
             assert published < 3.0, published
             assert took < 3.0, took
-            assert retries and all(d <= slices.RECONNECT_SECONDS for d in retries), retries
+            assert retries and all(d <= reconnect.RECONNECT_SECONDS for d in retries), retries
             assert not r.log.events("dra-credentials-refused") and not r.log.events("dra-api-refused")
             assert r.driver.metrics.prepare_errors == dict.fromkeys(r.driver.metrics.prepare_errors, 0)
 
@@ -96,7 +96,7 @@ class TestAfterTheApiServerReturns:
     ) -> None:
         """Refusals that go on past the moment after the return are real: one warning says so, and the
         long back-off applies again."""
-        monkeypatch.setattr(slices, "SETTLE_SECONDS", 1.5)
+        monkeypatch.setattr(reconnect, "SETTLE_SECONDS", 1.5)
         async with rig(credentials="service-account", backoff=DAEMON_BACKOFF) as r:
             await r.published()
             await outage(r, 5)
@@ -115,13 +115,13 @@ class TestAfterTheApiServerReturns:
 
 class TestPrepare:
     async def test_prepare_reads_the_claim_while_the_publisher_backs_off(self) -> None:
-        """A prepare asks the API server itself: with the publisher in a 30 s back-off (its session
+        """A prepare asks the API server itself: with the publisher in a 30 s back-off (its connection
         refused), a prepare still reads its claim and succeeds."""
         async with rig(credentials="service-account", backoff=(30.0, 30.0)) as r:
             await r.kubelet.next_event("registered")
             await r.published()
             claim = r.api.add_claim("ns", "vm", [{"request": "kvm", "driver": DRIVER, "pool": POOL, "device": "kvm-1"}])
-            r.api.end_watches()  # the session ends and the next one is refused: the publisher backs off 30 s
+            r.api.end_watches()  # the connection ends and the next one is refused: the publisher backs off 30 s
             r.api.authorizers_ready = False
             await r.status(lambda s: s.slices is SliceState.API_ERROR)
             r.api.authorizers_ready = True
@@ -145,7 +145,7 @@ class TestRenewedToken:
             assert "401 Unauthorized" in status.detail and "write a new one" in status.detail
             assert "the API server refuses the credentials" in str(status)
             assert r.driver.metrics.refused
-            await node_lookups(r, 3)  # refused sessions 0.5, 1 and 2 s apart: the next waits 4 s
+            await node_lookups(r, 3)  # refused connections 0.5, 1 and 2 s apart: the next waits 4 s
             (said,) = r.log.events("dra-credentials-refused")
             assert said.levelno == logging.WARNING and str(r.config.kubeconfig) in said.getMessage()
             loop = asyncio.get_running_loop()

@@ -129,7 +129,7 @@ class TestDraMode:
         async with dra_node(kernel, fake_root) as node:
             await node.status("slice published")
             node.api.token = "n3w-t0ken"
-            node.api.end_watches()  # the session renews its watch, and is refused
+            node.api.end_watches()  # the connection renews its watch, and is refused
             status = await node.status("the API server refuses the credentials")
             assert "401 Unauthorized" in status and "write a new one" in status, status
             (refused,) = node.running.events.named("dra-credentials-refused")

@@ -14,7 +14,7 @@ import pytest
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
 from ate_devplugd.config import ConfigError
 from ate_devplugd.dra.config import MAX_SOCKET_PATH, DraConfig, from_mapping
-from ate_devplugd.dra.driver import DraDriver, KubeletState
+from ate_devplugd.dra.driver import DraDriver, KubeletLink
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.unixserver import SocketInUseError
 from ate_devplugd.unixsock import FileIdentity, staging_path
@@ -37,7 +37,7 @@ class TestRegistration:
             assert (event.kind, event.name, event.detail) == ("registered", DRIVER, "v1.DRAPlugin")
             plugin = r.kubelet.plugins[DRIVER]
             assert plugin.endpoint == r.config.plugin_socket and os.path.isabs(plugin.endpoint)
-            status = await r.status(lambda s: s.kubelet is KubeletState.REGISTERED)
+            status = await r.status(lambda s: s.kubelet is KubeletLink.REGISTERED)
             assert str(status).startswith("dra: registered with kubelet")
             assert r.log.events("dra-registered")
 
@@ -68,7 +68,7 @@ class TestRegistration:
             r.kubelet.known_versions = ("v2.DRAPlugin",)
             await r.kubelet.start()
             assert (await r.kubelet.next_event("register-refused")).name == DRIVER
-            status = await r.status(lambda s: s.kubelet is KubeletState.REFUSED)
+            status = await r.status(lambda s: s.kubelet is KubeletLink.REFUSED)
             assert "none of the versions" in status.detail
             assert r.log.events("dra-register-failed")[0].levelno == logging.ERROR
 
@@ -80,7 +80,7 @@ class TestRegistration:
             assert not Path(r.config.plugin_socket).exists()
             assert not Path(r.config.registration_socket).exists()
             assert (await r.kubelet.next_event("deregistered")).name == DRIVER
-            assert r.driver.status().kubelet is KubeletState.STOPPED
+            assert r.driver.status().kubelet is KubeletLink.STOPPED
 
     async def test_stale_sockets_replaced(self) -> None:
         """Sockets left by an earlier run are replaced at start."""

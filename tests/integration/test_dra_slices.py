@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.dra import kubeconfig, slices
+from ate_devplugd.dra import kubeconfig, reconnect, slice_plan
 from ate_devplugd.dra.driver import DraDriver, DraStatus
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.slices import SliceState
@@ -44,7 +44,7 @@ class TestPublish:
                 "controller": True,
             }
             assert len(r.log.events("dra-slice-published")) == 2
-            assert r.api.requests.count(f"GET /api/v1/nodes/{NODE}") == 1  # the session's own, not one per pool
+            assert r.api.requests.count(f"GET /api/v1/nodes/{NODE}") == 1  # the connection's own, not one per pool
 
     async def test_list_and_watch_scoped_to_node(self) -> None:
         """List and watch carry the field selectors the node authorizer demands, and the watch asks for bookmarks."""
@@ -184,7 +184,7 @@ class TestNodeAndOutages:
             assert took < 2.0, took
 
     async def test_back_about_a_second_after_the_api_server(self) -> None:
-        """An outage long enough for the back-off to grow (four failed sessions): the slices are published
+        """An outage long enough for the back-off to grow (four failed connections): the slices are published
         again within about a second of the API server's return, and the return is said once at info."""
         async with rig(backoff=DAEMON_BACKOFF) as r:
             await r.api.next_change("ADDED")
@@ -202,17 +202,17 @@ class TestNodeAndOutages:
             # Generous for a loaded machine (measured 0.65-0.8 s, retries at most 1 s apart); the old
             # back-off took 4 s here.
             assert took < 3.0, took
-            assert all(d <= slices.RECONNECT_SECONDS for d in delays), delays
+            assert all(d <= reconnect.RECONNECT_SECONDS for d in delays), delays
             (said,) = r.log.events("dra-api-back")
             assert said.levelno == logging.INFO
 
     def test_reconnect_delays_are_jittered(self) -> None:
         """Half to all of a second at most, and spread: a fleet that lost the API server at once does not
         come back in step."""
-        draws = [slices.reconnect_delay(30.0) for _ in range(200)]
+        draws = [reconnect.reconnect_delay(30.0) for _ in range(200)]
         assert all(0.5 <= d <= 1.0 for d in draws)
         assert max(draws) - min(draws) > 0.3
-        assert slices.reconnect_delay(0.5, lambda a, b: b) == 0.5
+        assert reconnect.reconnect_delay(0.5, lambda a, b: b) == 0.5
 
 
 class TestHealth:
@@ -241,14 +241,14 @@ class TestHealth:
 
     async def test_creates_forgotten_after_the_lag(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A create is remembered only while the authorizer may lag behind it, not for every republish."""
-        monkeypatch.setattr(slices, "GRAPH_LAG", 0.0)
+        monkeypatch.setattr(slice_plan, "GRAPH_LAG", 0.0)
         async with rig() as r:
             await r.api.next_change("ADDED")
             for _ in range(3):
                 r.api.kubelet_restarted()
                 await r.api.next_change("DELETED")
                 await r.api.next_change("ADDED")
-            assert len(r.driver.publisher._created) == 1
+            assert r.driver.publisher._stored.recent_creates == 1
 
 
 class TestSharing:

@@ -26,8 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd import __version__, atomicfile, config
-from ate_devplugd.dra.metrics import DraMetrics
-from ate_devplugd.dra.prepare import ClaimProblem
+from ate_devplugd.dra.metrics import ClaimProblem, DraMetrics
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
 from ate_devplugd.promtext import Family, MetricType, exposition
 from ate_devplugd.runtime_facts import CdiVerdict

@@ -43,7 +43,9 @@ from ate_devplugd.logs import EventLog
 log = logging.getLogger(__name__)
 
 
-class KubeletState(enum.Enum):
+class KubeletLink(enum.Enum):
+    """Where the driver stands with kubelet: whether a kubelet holds its registration (STATUS= says it)."""
+
     STOPPED = "stopped"
     #: Serving, and no kubelet has registered the driver yet (or a new kubelet has not yet).
     WAITING = "waiting for kubelet"
@@ -69,7 +71,7 @@ class KubeletFollower(Protocol):
 class DraStatus:
     """DRA mode's state for STATUS=: enums and counts; ``detail`` only says why."""
 
-    kubelet: KubeletState
+    kubelet: KubeletLink
     slices: SliceState
     devices: int
     sharing_dropped: bool = False
@@ -113,7 +115,7 @@ class DraDriver:
         self.pools = pools
         self._on_status = on_status
         self.metrics = metrics or DraMetrics(config.driver, config.sharing, [p.resource for p in pools])
-        self.kubelet = KubeletState.STOPPED
+        self.kubelet = KubeletLink.STOPPED
         self._kubelet_detail = ""
         #: Follows the kubelet that registered the driver (None: the registration is taken as it was told).
         self._follower = kubelet
@@ -151,7 +153,7 @@ class DraDriver:
             await self._registration.stop(None)
             await self._plugin.stop(None)
             raise
-        self.kubelet = KubeletState.WAITING
+        self.kubelet = KubeletLink.WAITING
         if self._follower is not None:
             self._follower.start()
         EventLog(log).info(
@@ -193,8 +195,8 @@ class DraDriver:
 
     def status(self) -> DraStatus:
         pub = self.publisher
-        detail = self._kubelet_detail if self.kubelet is KubeletState.REFUSED else pub.detail
-        return DraStatus(self.kubelet, pub.state, pub.published_devices, pub.sharing_dropped, detail)
+        detail = self._kubelet_detail if self.kubelet is KubeletLink.REFUSED else pub.detail
+        return DraStatus(self.kubelet, pub.state, sum(pub.published.values()), pub.sharing_dropped, detail)
 
     async def stop(self) -> None:
         """Stop the publisher and both servers; the sockets are gone when this returns."""
@@ -209,24 +211,24 @@ class DraDriver:
         await self.preparer.close()
         if self._follower is not None:
             self._follower.close()
-        self.kubelet = KubeletState.STOPPED
+        self.kubelet = KubeletLink.STOPPED
         self._notify()
 
     def kubelet_changed(self) -> None:
         """A hint that the kubelet which registered the driver may be gone (its process ended, it ended
         its health stream, its kubelet.sock went or came): look, and say so if it is no longer there.
         kubelet registers the driver again when it starts (``NotifyRegistrationStatus``)."""
-        if self._follower is None or not self._ever_registered or self.kubelet is KubeletState.STOPPED:
+        if self._follower is None or not self._ever_registered or self.kubelet is KubeletLink.STOPPED:
             return
         seen = self._follower.holds()
         if seen is Presence.HOLDS:
             return
-        state = KubeletState.GONE if seen is Presence.GONE else KubeletState.WAITING
+        state = KubeletLink.GONE if seen is Presence.GONE else KubeletLink.WAITING
         if state is self.kubelet:
             return
         self.kubelet = state
         self._kubelet_detail = ""
-        if state is KubeletState.GONE:
+        if state is KubeletLink.GONE:
             EventLog(log).info(
                 "dra-kubelet-gone",
                 "dra: kubelet is gone; %s is registered again when kubelet starts",
@@ -244,11 +246,11 @@ class DraDriver:
         if self._follower is not None:
             self._follower.registered()  # this kubelet, remembered and followed from now on
         if registered:
-            self.kubelet = KubeletState.REGISTERED
+            self.kubelet = KubeletLink.REGISTERED
             self._kubelet_detail = ""
             EventLog(log).info("dra-registered", "dra: registered with kubelet as %s", self.config.driver)
         else:
-            self.kubelet = KubeletState.REFUSED
+            self.kubelet = KubeletLink.REFUSED
             self._kubelet_detail = error
             EventLog(log).error(
                 "dra-register-failed", "dra: kubelet refused the registration of %s: %s", self.config.driver, error

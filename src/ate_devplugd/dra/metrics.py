@@ -9,18 +9,20 @@ failed one). The shared gauges (registered, advertised and healthy units) are st
 ``mode.DraMode`` from the driver's status.
 
 Every series exists from the start, counters at 0 for each label value they can take, so the first
-error shows in ``increase()``; all label values are enums.
+error shows in ``increase()``; all label values are enums: ``ClaimProblem`` here (``prepare`` raises
+it), ``PublishReason`` from ``slice_plan`` (the plan decides it). This module sits below ``prepare`` and
+``slices``, which feed it, and imports neither.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ate_devplugd.dra.apiclient import ApiErrorKind
-from ate_devplugd.dra.prepare import ClaimProblem
-from ate_devplugd.dra.slices import PublishReason
+from ate_devplugd.dra.slice_plan import PublishReason
 from ate_devplugd.promtext import Family
 
 if TYPE_CHECKING:
@@ -30,6 +32,17 @@ PREFIX = "ate_devplugd_dra_"
 #: Upper bounds (seconds) of the prepare latency histogram: kubelet measures 25-30 ms for a prepare of
 #: this driver, and gives each call 45 s.
 PREPARE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 45.0)
+
+
+class ClaimProblem(enum.Enum):
+    """Why a claim could not be prepared (the ``reason`` of the prepare error counter; ``prepare`` says it)."""
+
+    NOT_FOUND = "not_found"
+    NOT_ALLOCATED = "not_allocated"
+    UID_MISMATCH = "uid_mismatch"
+    API = "api_error"  # the claim could not be read: no connection yet, refused, unreachable
+    UNKNOWN_DEVICE = "unknown_device"  # a pool or device this node does not serve
+    DEVICE_ABSENT = "device_absent"
 
 
 class DraMetrics:

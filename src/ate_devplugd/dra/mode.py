@@ -25,7 +25,7 @@ from collections.abc import Callable
 from ate_devplugd.device_config import qualified_name
 from ate_devplugd.devices import DeviceRegistry, Resource
 from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.driver import DraDriver, DraStatus, KubeletState
+from ate_devplugd.dra.driver import DraDriver, DraStatus, KubeletLink
 from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.presence import KubeletPresence
@@ -112,7 +112,7 @@ class DraMode:
         """The shared gauges from the registry and the driver's state (see the module doc)."""
         driver = self._driver
         published = driver.publisher.published if driver is not None else {}
-        registered = driver is not None and driver.kubelet is KubeletState.REGISTERED
+        registered = driver is not None and driver.kubelet is KubeletLink.REGISTERED
         for name, resource in self._registry.resources.items():
             self._metrics.set_device(
                 name,

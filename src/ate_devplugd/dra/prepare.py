@@ -14,22 +14,19 @@ second until PREPARE_SECONDS after kubelet's call arrived, well inside kubelet's
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
 from ate_devplugd.dra.credentials import CredentialFiles
 from ate_devplugd.dra.kubeconfig import KubeconfigError
+from ate_devplugd.dra.metrics import ClaimProblem, DraMetrics
 from ate_devplugd.dra.pools import Pool
 from ate_devplugd.logs import EventLog
-
-if TYPE_CHECKING:
-    from ate_devplugd.dra.metrics import DraMetrics
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +40,6 @@ RETRY_SECONDS = (0.25, 0.5)
 def _transient(status: int) -> bool:
     """An answer that may change within seconds: 401/403 while the server starts, throttling, 5xx."""
     return status in (401, 403, 429) or status >= 500
-
-
-class ClaimProblem(enum.Enum):
-    """Why a claim could not be prepared (the ``reason`` of the prepare error counter)."""
-
-    NOT_FOUND = "not_found"
-    NOT_ALLOCATED = "not_allocated"
-    UID_MISMATCH = "uid_mismatch"
-    API = "api_error"  # the claim could not be read: no session yet, refused, unreachable
-    UNKNOWN_DEVICE = "unknown_device"  # a pool or device this node does not serve
-    DEVICE_ABSENT = "device_absent"
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd.dra.apiclient import ApiErrorKind
-from ate_devplugd.dra.metrics import PREPARE_BUCKETS, DraMetrics
-from ate_devplugd.dra.prepare import ClaimProblem
-from ate_devplugd.dra.slices import PublishReason
+from ate_devplugd.dra.metrics import PREPARE_BUCKETS, ClaimProblem, DraMetrics
+from ate_devplugd.dra.slice_plan import PublishReason
 from ate_devplugd.metrics import Metrics
 
 KVM = "ate.dev/kvm"

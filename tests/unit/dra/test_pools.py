@@ -58,7 +58,7 @@ class TestWatchEvents:
         return slices.SlicePublisher(CONFIG, pools)
 
     def test_expired_resource_version_relists(self) -> None:
-        """An ERROR 410 event ends the session so that it lists again."""
+        """An ERROR 410 event ends the connection so that it lists again."""
         with pytest.raises(slices._Expired):
             self.publisher()._on_event({"type": "ERROR", "object": {"kind": "Status", "code": 410}})
 
@@ -71,4 +71,4 @@ class TestWatchEvents:
         """A bookmark only advances the resourceVersion the next watch starts from."""
         pub = self.publisher()
         pub._on_event({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "42"}}})
-        assert pub._resource_version == "42" and not pub._slices
+        assert pub._stored.resource_version == "42" and not pub._stored.slices

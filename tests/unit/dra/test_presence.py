@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.driver import DraDriver, KubeletState
+from ate_devplugd.dra.driver import DraDriver, KubeletLink
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.presence import KubeletPresence, Presence, listener_pid
 from ate_devplugd.kubelet_watch import KubeletWatch
@@ -142,27 +142,27 @@ class TestDriverState:
     def test_hints_before_any_registration_change_nothing(self) -> None:
         follower = Follower()
         driver = self.driver(follower)
-        driver.kubelet = KubeletState.WAITING
+        driver.kubelet = KubeletLink.WAITING
         follower.seen = Presence.GONE
         driver.kubelet_changed()
-        assert driver.kubelet is KubeletState.WAITING
+        assert driver.kubelet is KubeletLink.WAITING
 
     @pytest.mark.parametrize(
         ("seen", "state"),
         [
-            (Presence.HOLDS, KubeletState.REGISTERED),
-            (Presence.GONE, KubeletState.GONE),
-            (Presence.RESTARTED, KubeletState.WAITING),
+            (Presence.HOLDS, KubeletLink.REGISTERED),
+            (Presence.GONE, KubeletLink.GONE),
+            (Presence.RESTARTED, KubeletLink.WAITING),
         ],
     )
-    def test_after_registration(self, seen: Presence, state: KubeletState) -> None:
+    def test_after_registration(self, seen: Presence, state: KubeletLink) -> None:
         follower = Follower()
         driver = self.driver(follower)
-        driver.kubelet = KubeletState.WAITING
+        driver.kubelet = KubeletLink.WAITING
         driver._registration_status(True, "")  # what kubelet's NotifyRegistrationStatus calls
-        assert (driver.kubelet, follower.registrations) == (KubeletState.REGISTERED, 1)
+        assert (driver.kubelet, follower.registrations) == (KubeletLink.REGISTERED, 1)
         follower.seen = seen
         driver.kubelet_changed()
         assert driver.kubelet is state
         driver._registration_status(True, "")  # the next kubelet registers the driver
-        assert driver.kubelet is KubeletState.REGISTERED
+        assert driver.kubelet is KubeletLink.REGISTERED

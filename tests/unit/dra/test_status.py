@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ate_devplugd.dra.driver import DraStatus, KubeletState
+from ate_devplugd.dra.driver import DraStatus, KubeletLink
 from ate_devplugd.dra.slices import SliceState
 
 
@@ -13,32 +13,32 @@ class TestStatus:
         ("status", "text"),
         [
             (
-                DraStatus(KubeletState.REGISTERED, SliceState.PUBLISHED, 128),
+                DraStatus(KubeletLink.REGISTERED, SliceState.PUBLISHED, 128),
                 "dra: registered with kubelet, slice published (128 devices)",
             ),
             (
-                DraStatus(KubeletState.WAITING, SliceState.PUBLISHED, 0),
+                DraStatus(KubeletLink.WAITING, SliceState.PUBLISHED, 0),
                 "dra: waiting for kubelet, slice published (no device present)",
             ),
             (
-                DraStatus(KubeletState.GONE, SliceState.PUBLISHED, 128),
+                DraStatus(KubeletLink.GONE, SliceState.PUBLISHED, 128),
                 "dra: kubelet gone, not registered, slice published (128 devices)",
             ),
             (
-                DraStatus(KubeletState.REGISTERED, SliceState.REPUBLISHING, 0),
+                DraStatus(KubeletLink.REGISTERED, SliceState.REPUBLISHING, 0),
                 "dra: registered with kubelet, slices deleted, publishing again",
             ),
             (
-                DraStatus(KubeletState.REGISTERED, SliceState.KUBECONFIG_ERROR, 0, detail="/kc: cannot read"),
+                DraStatus(KubeletLink.REGISTERED, SliceState.KUBECONFIG_ERROR, 0, detail="/kc: cannot read"),
                 "dra: registered with kubelet, slices kubeconfig error: /kc: cannot read",
             ),
             (
-                DraStatus(KubeletState.REGISTERED, SliceState.CREDENTIALS_REFUSED, 0, detail="401 Unauthorized; x"),
+                DraStatus(KubeletLink.REGISTERED, SliceState.CREDENTIALS_REFUSED, 0, detail="401 Unauthorized; x"),
                 "dra: registered with kubelet, slices not published, the API server refuses the credentials: "
                 "401 Unauthorized; x",
             ),
             (
-                DraStatus(KubeletState.REGISTERED, SliceState.PUBLISHED, 1, sharing_dropped=True),
+                DraStatus(KubeletLink.REGISTERED, SliceState.PUBLISHED, 1, sharing_dropped=True),
                 "dra: registered with kubelet, slice published (1 device), "
                 "shared device made exclusive by the API server (DRAConsumableCapacity off)",
             ),
