@@ -202,7 +202,6 @@ def test_every_module_has_a_layer() -> None:
     assert not missing, f"place these in LAYERS: {missing}"
 
 
-@MOVING
 def test_no_import_runs_up_the_layers() -> None:
     layers = layer_of()
     up = sorted(
@@ -286,7 +285,6 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@MOVING
 def test_no_import_circle() -> None:
     found = circles(graph())
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
