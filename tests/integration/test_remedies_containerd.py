@@ -1,7 +1,8 @@
 """Each remedy ``doctor`` gives for containerd, applied as written to that containerd's config file: the
 verdict turns to applied and the VMM's guest boots.
 
-For containerd 1.7.24 (a version 2 file) and 2.1.9 (its own version 3 file, and a version 2 file), each
+For containerd 1.7.24 (a version 2 file, and one without ``version``: version 1, whose CRI table is
+``[plugins.cri]``) and 2.1.9 (its own version 3 file, and a version 2 file), each
 started once with CDI off and once with a ``cdi_spec_dirs`` that leaves the daemon's directory out: the
 runtime is asked as the daemon asks it (``runtime_cdi.ask``), ``remedies.cdi_remedy`` gives the remedy
 for its config file (read as ``doctor`` reads /etc/containerd/config.toml), the remedy's settings are
@@ -38,8 +39,10 @@ def closed_kvm() -> NodeStat:
 def apply_remedy(config: str, remedy: remedies.Remedy) -> str:
     """The remedy's settings written into its table of a TOML file, as an operator edits it: a key the
     table has is replaced, a missing one added under the table's header (the table is added at the end
-    where the file has none)."""
-    lines = config.splitlines()
+    where the file has none); the ``version`` it names is put at the top first."""
+    lines = [line for line in config.splitlines() if remedy.version is None or not line.startswith("version =")]
+    if remedy.version is not None:
+        lines.insert(0, f"version = {remedy.version}")
     if remedy.table not in lines:
         lines += ["", remedy.table]
     start = lines.index(remedy.table)
@@ -62,6 +65,10 @@ def table_of(config: str, table: str) -> dict[str, object]:
     return node
 
 
+#: The CRI table of each config version containerd 1.x and 2.x read.
+TABLES = {1: remedies.CONTAINERD_V1_TABLE, 2: remedies.CONTAINERD_V2_TABLE, 3: remedies.CONTAINERD_V3_TABLE}
+
+
 async def restart(rt: Containerd, config_text: str) -> Containerd:
     """``systemctl restart containerd`` after the file was edited."""
     await rt.stop()
@@ -70,6 +77,8 @@ async def restart(rt: Containerd, config_text: str) -> Containerd:
 
 #: (series, config version, what is wrong at first): every containerd remedy that is a config change.
 CASES = [
+    ("1.7", 1, "cdi off"),
+    ("1.7", 1, "dir left out"),
     ("1.7", 2, "cdi off"),
     ("1.7", 2, "dir left out"),
     ("2.1", 3, "cdi off"),
@@ -102,8 +111,7 @@ async def test_remedy_makes_it_apply(
             assert report.verdict is before, report
             remedy = remedies.cdi_remedy(report, str(cdi_dir), remedies.read_config_file(str(rt.config_path)))
             print(f"containerd {build.version}, version {config_version} file: {remedy.text}")
-            expected_table = remedies.CONTAINERD_V3_TABLE if config_version == 3 else remedies.CONTAINERD_V2_TABLE
-            assert (remedy.table, remedy.file) == (expected_table, str(rt.config_path)), remedy
+            assert (remedy.table, remedy.file, remedy.version) == (TABLES[config_version], str(rt.config_path), None)
             assert (
                 f"{remedy.table} of {remedy.file}" in remedy.text or f"{remedy.table} cdi_spec_dirs of" in remedy.text
             )

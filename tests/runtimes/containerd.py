@@ -408,15 +408,19 @@ def config_toml(
     ``plugins."io.containerd.grpc.v1.cri"``. ``version`` 3 is 2.x's own: the runtime's keys (``enable_cdi``,
     ``cdi_spec_dirs``, runtimes, CNI) in ``plugins.'io.containerd.cri.v1.runtime'``, the images' in
     ``plugins.'io.containerd.cri.v1.images'``, and only the streaming server left in the old table.
+    ``version`` 1 is a file without ``version``, whose plugin tables 1.x names by their short IDs
+    (``plugins.cri``); for 1.x only (2.x reads none of its CRI keys, and NRI's table has no name there).
     """
+    if version not in (1, 2, 3):
+        raise ValueError(f"no containerd config version {version}")
     cri_lines = []
     if enable_cdi is not None:
         cri_lines.append(f"enable_cdi = {str(enable_cdi).lower()}")
     if cdi_spec_dirs is not None:
         cri_lines.append(f"cdi_spec_dirs = {json.dumps([str(d) for d in cdi_spec_dirs])}")
     cri_keys = "".join(f"  {line}{chr(10)}" for line in [*cri_lines, *cri_extra.splitlines()])
-    header = f"""\
-version = {version}
+    header = "" if version == 1 else f"version = {version}\n"
+    header += f"""\
 root = "{workdir}/root"
 state = "{workdir}/state"
 disabled_plugins = [
@@ -437,17 +441,17 @@ disabled_plugins = [
 [metrics]
   address = ""
 
-[plugins."io.containerd.internal.v1.opt"]
+[{"plugins.opt" if version == 1 else 'plugins."io.containerd.internal.v1.opt"'}]
   path = "{workdir}/opt"
-
+"""
+    if version > 1:
+        header += f"""
 [plugins."io.containerd.nri.v1.nri"]
   socket_path = "{workdir}/nri.sock"
 """
     if version == 3:
         return header + _cri_v3(workdir, runc, cri_keys)
-    if version != 2:
-        raise ValueError(f"no containerd config version {version}")
-    cri_table = 'plugins."io.containerd.grpc.v1.cri"'
+    cri_table = "plugins.cri" if version == 1 else 'plugins."io.containerd.grpc.v1.cri"'
     runtimes = f"{cri_table}.containerd.runtimes.runc"
     return f"""{header}
 [{cri_table}]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd.remedies import (
+    CONTAINERD_V1_TABLE,
     CONTAINERD_V2_TABLE,
     CONTAINERD_V3_TABLE,
     ConfigFile,
@@ -38,7 +39,7 @@ def report(name: str, version: str, verdict: CdiVerdict, spec_dirs: tuple[str, .
         ("1.7.24~ds1", ConfigFile("/etc/containerd/config.toml", 2), CONTAINERD_V2_TABLE),
         ("2.1.9+unknown", ConfigFile("/etc/containerd/config.toml", 3), CONTAINERD_V3_TABLE),
         ("v2.0.0", ConfigFile("/etc/containerd/config.toml", 2), CONTAINERD_V2_TABLE),
-        ("2.1.9+unknown", ConfigFile("/etc/containerd/config.toml", 1), CONTAINERD_V2_TABLE),
+        ("1.7.24~ds1", ConfigFile("/etc/containerd/config.toml", 1), CONTAINERD_V1_TABLE),
     ],
 )
 def test_enable_cdi_in_the_table_the_layout_reads(version: str, config: ConfigFile | None, table: str) -> None:
@@ -58,6 +59,19 @@ def test_containerd_2_with_an_unread_file_names_both_layouts() -> None:
         f"set enable_cdi = true in {CONTAINERD_V3_TABLE} (a version 3 file; {CONTAINERD_V2_TABLE} in a version 2 "
         "file) of /etc/containerd/config.toml, restart containerd, then kubelet"
     )
+
+
+def test_containerd_2_with_a_version_1_file_needs_a_version_first() -> None:
+    """2.x reads no CRI key of a file without ``version``: the remedy gives it one, then 2.x's table."""
+    config = ConfigFile("/etc/containerd/config.toml", 1)
+    remedy = cdi_remedy(report("containerd", "2.1.9", NOT_READ, ("/etc/cdi", "/var/run/cdi")), "/srv/cdi", config)
+    assert (remedy.table, remedy.version) == (CONTAINERD_V3_TABLE, 3)
+    assert remedy.text == (
+        "give /etc/containerd/config.toml version = 3 at its top (2.x reads no CRI key of a file without one), "
+        f"then add /srv/cdi to {CONTAINERD_V3_TABLE} cdi_spec_dirs of /etc/containerd/config.toml and restart "
+        "the runtime, or set cdi_dir to a directory it reads"
+    )
+    assert cdi_remedy(report("containerd", "1.7.24", OFF), CDI_DIR, config).version is None
 
 
 def test_the_file_read_is_the_file_named() -> None:
