@@ -7,8 +7,9 @@
 # ctr link only libc: they run on Debian 12 as they are (the host's runc runs the containers). So
 # no tree is built: the one package is downloaded with apt-get, through an apt configuration of its
 # own under the cache directory (its sources, lists and archives; the host's sources and its
-# package state are never read nor changed), checked by apt against the suite's signed Release
-# file (the host's debian-archive-keyring), and unpacked with dpkg-deb -x.
+# package state are never read nor changed, while its apt.conf.d settings, a proxy or how Release
+# files are checked, apply as to any apt run here), checked by apt against the suite's signed
+# Release file (the host's debian-archive-keyring), and unpacked with dpkg-deb -x.
 #
 # Which version: the newest one in forky or sid matching VERSION_PATTERN (a glob on Debian's
 # version). When the suites no longer offer it, this fails saying what they offer: the pattern is
