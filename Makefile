@@ -134,10 +134,12 @@ test: lint proto-check test-venv test-debian ## lint, generated-code check, the 
 test-trixie: ## the suite on Debian 13's python3 and packages (a cached trixie tree, chrooted into)
 	tests/runtime/run-suite.sh trixie $(PYTEST_ARGS)
 
-# The CRI tests (tests/integration/test_cri_containerd.py) drive Debian 12's containerd 1.6 (apt) and
-# Debian 13's 1.7 from the trixie tree, whose binaries run on Debian 12; they find the tree in .cache.
-runtimes: $(APT_STAMP) ## the container runtimes the CRI tests drive: containerd 1.6 (apt) and 1.7 (the trixie tree)
+# The CRI tests (tests/integration/test_cri_containerd.py) drive Debian 12's containerd 1.6 (apt),
+# Debian 13's 1.7 from the trixie tree and forky/sid's 2.1 from its .deb, unpacked (both run on
+# Debian 12); they find them in .cache/runtime.
+runtimes: $(APT_STAMP) ## the container runtimes the CRI tests drive: containerd 1.6 (apt), 1.7 (the trixie tree), 2.1 (.deb)
 	tests/runtime/run-suite.sh --build-only trixie
+	tests/runtime/containerd-deb.sh
 
 $(DEB): $(shell git ls-files src packaging pyproject.toml README.md 2>/dev/null) | $(APT_STAMP)
 	packaging/build-deb.sh dist
@@ -154,8 +156,9 @@ e2e: $(DEB) ## the .deb in a Debian 12 VM (qemu) with real udevd and kernel modu
 
 # In CI the tests of real consumers (podman, containerd, node_exporter, promtool) fail, saying why,
 # where they cannot run, rather than skip. `runtimes` comes first: `make test` drives containerd 1.7
-# from the trixie tree. ATE_RESTARTS=1000 runs tests/fault/test_registration_once.py's random kubelet
-# restarts at full size (1,000 with the CPU idle, 1,000 with it overcommitted: about 3 minutes a suite).
+# from the trixie tree and 2.1 from its unpacked .deb. ATE_RESTARTS=1000 runs
+# tests/fault/test_registration_once.py's random kubelet restarts at full size (1,000 with the CPU
+# idle, 1,000 with it overcommitted: about 3 minutes a suite).
 check: export ATE_REQUIRE_PODMAN := 1
 check: export ATE_REQUIRE_CONTAINERD := 1
 check: export ATE_REQUIRE_PROMETHEUS_TOOLS := 1

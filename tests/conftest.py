@@ -113,6 +113,13 @@ def containerd_17() -> ContainerdBuild:
 
 
 @pytest.fixture
+def containerd_21() -> ContainerdBuild:
+    """containerd 2.1 (forky/sid's .deb, unpacked by make runtimes); skips where it cannot run, or fails
+    (ATE_REQUIRE_CONTAINERD)."""
+    return require_containerd("2.1")
+
+
+@pytest.fixture
 def containerd_16() -> ContainerdBuild:
     """containerd 1.6 (Debian 12's); skips where it cannot run, or fails (ATE_REQUIRE_CONTAINERD)."""
     return require_containerd("1.6")

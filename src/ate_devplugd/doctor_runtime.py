@@ -7,7 +7,7 @@ with what a node that gets them wrong must change (``cdi_remedy``).
 
 from __future__ import annotations
 
-from ate_devplugd import runtime_cdi, runtime_facts
+from ate_devplugd import remedies, runtime_cdi, runtime_facts
 from ate_devplugd.config import Config
 from ate_devplugd.findings import Finding, fail, ok, warn
 from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
@@ -31,19 +31,5 @@ def findings(cfg: Config, report: RuntimeReport) -> list[Finding]:
 
 
 def cdi_remedy(cfg: Config, report: RuntimeReport) -> str:
-    version = runtime_facts.parse_version(report.version) or (0, 0, 0)
-    if report.verdict is CdiVerdict.DIR_NOT_READ:
-        where = (
-            '[plugins."io.containerd.grpc.v1.cri"] cdi_spec_dirs'
-            if report.name == "containerd"
-            else "[crio.runtime] cdi_spec_dirs"
-        )
-        return f"add {cfg.cdi_dir} to {where} and restart the runtime, or set cdi_dir to a directory it reads"
-    if report.name == "containerd" and version < (1, 7, 2):
-        return "upgrade containerd to 1.7.2 or later (with enable_cdi = true) or 2.x"
-    if report.name == "containerd":
-        return (
-            'set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] of /etc/containerd/config.toml, '
-            "restart containerd, then kubelet"
-        )
-    return f"upgrade {report.name} (CRI-O 1.28 or later applies CDI names)"
+    config = remedies.read_config_file() if report.name == "containerd" else None
+    return remedies.cdi_remedy(report, cfg.cdi_dir, config).text

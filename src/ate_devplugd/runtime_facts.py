@@ -72,7 +72,8 @@ class RuntimeReport:
 
     @property
     def runtime(self) -> str:
-        return f"{self.name} {self.version.lstrip('v')}".strip()
+        """``containerd 2.1.9``: no ``v``, nor the ``+unknown`` of a build without a git revision (Debian's 2.x)."""
+        return f"{self.name} {self.version.lstrip('v').removesuffix('+unknown')}".strip()
 
     def describe(self) -> str:
         """One line for STATUS and the journal: ``containerd 1.7.24 ignores CDI (enable_cdi = false)``."""

@@ -11,7 +11,10 @@ kubelet; a pod on the node's network runs the checker as uid 1000, which boots a
 - containerd 1.7 (Debian 13's 1.7.24) with ``enable_cdi = true`` applies the spec: the guest boots;
 - the same containerd with ``enable_cdi = false`` drops the CDI name without a word: EACCES;
 - containerd 1.6 (Debian 12's 1.6.20) has no CDI at all: its CRI API has no field 17, so the name is
-  an unknown field, dropped as silently: EACCES.
+  an unknown field, dropped as silently: EACCES;
+- containerd 2.1 (forky/sid's 2.1.9), with its own version 3 config and with a version 2 file (which it
+  migrates): CDI is on without a word in the file and the guest boots; ``enable_cdi = false``: EACCES; a
+  ``cdi_spec_dirs`` without the daemon's directory: CreateContainer fails, ``unresolvable CDI devices``.
 """
 
 from __future__ import annotations
@@ -70,6 +73,40 @@ def assert_vmm_user(run: CheckerRun) -> None:
     assert set(run.check.groups) <= {VMM_USER[1]}, run.check.raw
 
 
+def assert_guest_boots(run: CheckerRun, log: str, host_kvm: NodeStat, *, logs_cdi: bool = True) -> None:
+    """CDI applied: the spec's node (0666) replaced the DeviceSpec's, and uid 1000 booted the guest;
+    ``logs_cdi``: containerd's info log names the device (1.7 does; 2.x logs it at debug level only)."""
+    assert run.failed_call is None, run
+    assert_vmm_user(run)
+    assert run.check is not None and run.check.guest is not None, run.check
+    assert run.check.guest.booted, run.check.guest
+    (node,) = oci_node(run, "/dev/kvm")
+    assert (node["type"], node["major"], node["minor"], node["fileMode"]) == (
+        "c",
+        host_kvm.major,
+        host_kvm.minor,
+        0o666,
+    ), node
+    # Both grants add the cgroup rule: the DeviceSpec's and the CDI spec's.
+    assert oci_rules(run, host_kvm.major, host_kvm.minor) == ["rw", "rw"], run.oci_device_rules
+    assert (CDI_LOG in log) is logs_cdi
+
+
+def assert_dropped(run: CheckerRun, log: str, host_kvm: NodeStat) -> None:
+    """CDI off: the container got the host's node and EACCES, and nothing in containerd's log says the CDI
+    name was ignored."""
+    assert run.failed_call is None, run
+    assert_vmm_user(run)
+    assert run.check is not None
+    assert run.check.node == host_kvm, run.check.raw
+    assert run.check.open_error == "EACCES", run.check.raw
+    assert run.check.guest is None
+    (node,) = oci_node(run, "/dev/kvm")
+    assert (node["fileMode"], node["uid"], node["gid"]) == (host_kvm.mode, host_kvm.uid, host_kvm.gid), node
+    assert oci_rules(run, host_kvm.major, host_kvm.minor) == ["rw"], run.oci_device_rules
+    assert DEVICE not in log
+
+
 class TestContainerd17:
     async def test_cdi_on_the_guest_boots(
         self, containerd_17: ContainerdBuild, cri_images: Images, tmp_path: Path, host_kvm: NodeStat
@@ -79,38 +116,69 @@ class TestContainerd17:
             containerd_17, cri_images, tmp_path, enable_cdi=True, cdi_spec_dirs=[tmp_path / "cdi"]
         )
         assert (config["enableCDI"], config["cdiSpecDirs"]) == (True, [str(tmp_path / "cdi")])
-        assert run.failed_call is None, run
-        assert_vmm_user(run)
-        assert run.check is not None and run.check.guest is not None, run.check
-        assert run.check.guest.booted, run.check.guest
-        (node,) = oci_node(run, "/dev/kvm")
-        assert (node["type"], node["major"], node["minor"], node["fileMode"]) == (
-            "c",
-            host_kvm.major,
-            host_kvm.minor,
-            0o666,
-        ), node
-        # Both grants add the cgroup rule: the DeviceSpec's and the CDI spec's.
-        assert oci_rules(run, host_kvm.major, host_kvm.minor) == ["rw", "rw"], run.oci_device_rules
-        assert CDI_LOG in log
+        assert_guest_boots(run, log, host_kvm)
 
     async def test_cdi_off_the_name_is_dropped(
         self, containerd_17: ContainerdBuild, cri_images: Images, tmp_path: Path, host_kvm: NodeStat
     ) -> None:
-        """enable_cdi = false (the default): the same container gets the host's node and EACCES, and
-        nothing in containerd's log says the CDI name was ignored."""
+        """enable_cdi = false (the default): the same container gets the host's node and EACCES."""
         run, log, config = await allocate_and_run(containerd_17, cri_images, tmp_path, enable_cdi=False)
         assert config["enableCDI"] is False
-        assert run.failed_call is None, run
-        assert_vmm_user(run)
-        assert run.check is not None
-        assert run.check.node == host_kvm, run.check.raw
-        assert run.check.open_error == "EACCES", run.check.raw
-        assert run.check.guest is None
-        (node,) = oci_node(run, "/dev/kvm")
-        assert (node["fileMode"], node["uid"], node["gid"]) == (host_kvm.mode, host_kvm.uid, host_kvm.gid), node
-        assert oci_rules(run, host_kvm.major, host_kvm.minor) == ["rw"], run.oci_device_rules
-        assert DEVICE not in log
+        assert_dropped(run, log, host_kvm)
+
+
+@pytest.mark.parametrize("config_version", [3, 2])
+class TestContainerd21:
+    """containerd 2.1 with its own version 3 config, and with a version 2 file."""
+
+    async def test_cdi_on_by_default_the_guest_boots(
+        self,
+        containerd_21: ContainerdBuild,
+        cri_images: Images,
+        tmp_path: Path,
+        host_kvm: NodeStat,
+        config_version: int,
+    ) -> None:
+        """No enable_cdi in the file: 2.x applies CDI by default, and uid 1000 boots the guest."""
+        cdi = [tmp_path / "cdi"]
+        run, log, config = await allocate_and_run(
+            containerd_21, cri_images, tmp_path, cdi_spec_dirs=cdi, config_version=config_version
+        )
+        assert "enable_cdi" not in (tmp_path / "containerd" / "config.toml").read_text()
+        assert (config["enableCDI"], config["cdiSpecDirs"]) == (True, [str(tmp_path / "cdi")])
+        assert_guest_boots(run, log, host_kvm, logs_cdi=False)
+
+    async def test_cdi_off_the_name_is_dropped(
+        self,
+        containerd_21: ContainerdBuild,
+        cri_images: Images,
+        tmp_path: Path,
+        host_kvm: NodeStat,
+        config_version: int,
+    ) -> None:
+        """enable_cdi = false: EACCES, as on 1.7."""
+        run, log, config = await allocate_and_run(
+            containerd_21, cri_images, tmp_path, enable_cdi=False, config_version=config_version
+        )
+        assert config["enableCDI"] is False
+        assert_dropped(run, log, host_kvm)
+
+    async def test_spec_dir_not_read_unresolvable(
+        self,
+        containerd_21: ContainerdBuild,
+        cri_images: Images,
+        tmp_path: Path,
+        host_kvm: NodeStat,
+        config_version: int,
+    ) -> None:
+        """CDI on, but cdi_spec_dirs leaves the daemon's directory out: no container at all."""
+        other = tmp_path / "elsewhere"
+        run, _, config = await allocate_and_run(
+            containerd_21, cri_images, tmp_path, cdi_spec_dirs=[other], config_version=config_version
+        )
+        assert config["cdiSpecDirs"] == [str(other)]
+        assert run.failed_call == "CreateContainer", run.summary()
+        assert "unresolvable CDI devices" in run.error, run.error
 
 
 class TestContainerd16:

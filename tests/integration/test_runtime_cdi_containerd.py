@@ -1,7 +1,8 @@
 """The CDI verdict against real containerd: what the daemon and ``doctor`` say, and what then happens.
 
 For each runtime setup (containerd 1.7.24 with ``enable_cdi`` true, false, and a ``cdi_spec_dirs`` that
-leaves out the daemon's directory; containerd 1.6.20 as it is) the daemon runs on the host's /dev/kvm with
+leaves out the daemon's directory; containerd 2.1.9 the same, with CDI on by default, with its own
+version 3 config and with a version 2 file; containerd 1.6.20 as it is) the daemon runs on the host's /dev/kvm with
 ``cdi = true`` and ``runtime_socket`` at that containerd: its STATUS, its journal event and its metric
 give the verdict, and ``doctor`` gives it too. Then a pod is run as kubelet runs it with the daemon's
 Allocate answer (tests.runtimes.containerd: CRI CreateContainer with the Devices and CDI names, a VMM as
@@ -176,6 +177,62 @@ class TestContainerd17:
             containerd_17, cri_images, tmp_path, CdiVerdict.DIR_NOT_READ, enable_cdi=True, cdi_spec_dirs=[other]
         )
         assert_said(said, CdiVerdict.DIR_NOT_READ, f"leaves out {tmp_path / 'cdi'})", Level.FAIL)
+
+
+@pytest.mark.parametrize("config_version", [3, 2])
+class TestContainerd21:
+    """containerd 2.1 with its own version 3 config, and with a version 2 file (which it migrates)."""
+
+    async def test_cdi_on_by_default(
+        self,
+        containerd_21: ContainerdBuild,
+        cri_images: Images,
+        tmp_path: Path,
+        closed_kvm: NodeStat,
+        config_version: int,
+    ) -> None:
+        """No enable_cdi in the file: applied, only OK lines from doctor, and uid 1000 boots a guest.
+        STATUS names the version as 2.1.9, without the ``+unknown`` the runtime answers."""
+        cdi = [tmp_path / "cdi"]
+        verdict = CdiVerdict.APPLIED
+        said = await observe(
+            containerd_21, cri_images, tmp_path, verdict, cdi_spec_dirs=cdi, config_version=config_version
+        )
+        assert_said(said, verdict, f"applies CDI (reads {tmp_path / 'cdi'})", Level.OK)
+        assert all(line.startswith("OK ") for line in said.doctor_text.splitlines()), said.doctor_text
+        assert f"| cdi: containerd {containerd_21.version.removesuffix('+unknown')} applies" in said.status
+        assert "+unknown" not in said.status + said.doctor_text
+
+    async def test_enable_cdi_false(
+        self,
+        containerd_21: ContainerdBuild,
+        cri_images: Images,
+        tmp_path: Path,
+        closed_kvm: NodeStat,
+        config_version: int,
+    ) -> None:
+        """Not applied: a warning event, doctor FAILs the runtime, the VMM gets EACCES."""
+        verdict = CdiVerdict.NOT_APPLIED
+        said = await observe(
+            containerd_21, cri_images, tmp_path, verdict, enable_cdi=False, config_version=config_version
+        )
+        assert_said(said, verdict, "ignores CDI (enable_cdi = false)", Level.FAIL)
+
+    async def test_spec_dirs_leave_ours_out(
+        self,
+        containerd_21: ContainerdBuild,
+        cri_images: Images,
+        tmp_path: Path,
+        closed_kvm: NodeStat,
+        config_version: int,
+    ) -> None:
+        """CDI on, cdi_spec_dirs without the daemon's directory: CreateContainer fails, as predicted."""
+        other = tmp_path / "elsewhere"
+        verdict = CdiVerdict.DIR_NOT_READ
+        said = await observe(
+            containerd_21, cri_images, tmp_path, verdict, cdi_spec_dirs=[other], config_version=config_version
+        )
+        assert_said(said, verdict, f"leaves out {tmp_path / 'cdi'})", Level.FAIL)
 
 
 class TestContainerd16:

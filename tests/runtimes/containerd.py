@@ -1,9 +1,11 @@
 """containerd of the test's own, driven as kubelet drives it: CRI ``runtime.v1`` over gRPC on a unix socket.
 
-Which containerd (:func:`find_build`): a series ("1.6", "1.7") is taken from the release's own
-``/usr/bin/containerd`` (Debian 12: 1.6.20; Debian 13: 1.7.24), else from the Debian 13 tree that
-``tests/runtime/run-suite.sh trixie`` builds in ``.cache/runtime/`` (its containerd, shim and ctr link
-only libc and run on Debian 12). The host's runc runs the containers (trixie's needs a newer glibc).
+Which containerd (:func:`find_build`): a series ("1.6", "1.7", "2.1") is taken from the release's own
+``/usr/bin/containerd`` (Debian 12: 1.6.20; Debian 13: 1.7.24), else from what ``make runtimes`` puts
+in ``.cache/runtime/``: the Debian 13 tree of ``tests/runtime/run-suite.sh trixie`` (1.7.24) and the
+unpacked .deb of ``tests/runtime/containerd-deb.sh`` (forky/sid's 2.1.9). Their containerd, shim and
+ctr link only libc and run on Debian 12. The host's runc runs the containers (trixie's needs a newer
+glibc).
 
 One :class:`Containerd` has its own config, ``root``, ``state`` and socket under a work directory, and
 runs in a private mount namespace under a subreaper (``subreaper.py``: a tmpfs on ``/run/containerd``,
@@ -12,7 +14,8 @@ the one trace left on the host is that mount point, ``/run/containerd``, created
 Its CRI plugin uses the ``native`` snapshotter (no overlay mount to outlive a run), runc with cgroupfs,
 no CNI (pods use the node's network), a locally built static ``pause`` as the sandbox image, and
 ``restrict_oom_score_adj`` (these hosts' root lacks CAP_SYS_RESOURCE, so runc cannot lower a score).
-``enable_cdi`` and ``cdi_spec_dirs`` are written only when given (1.6 knows neither key).
+``enable_cdi`` and ``cdi_spec_dirs`` are written only when given (1.6 knows neither key). The config is
+a version 2 file (what 1.6 and 1.7 read, and 2.x migrates) or 2.x's own version 3 (:func:`config_toml`).
 
 Images come from no registry: :func:`image_archive` writes a docker-archive of static files and
 :meth:`Containerd.import_image` runs ``ctr -n k8s.io images import`` (CRI's namespace).
@@ -70,8 +73,9 @@ TOP = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 SUBREAPER = HERE / "subreaper.py"
 PAUSE_SOURCE = HERE / "pause.c"
-#: Where run-suite.sh keeps its Debian 13 tree (one per key; ``complete`` marks a finished build).
-TREE_GLOB = ".cache/runtime/trixie-*/complete"
+#: Where run-suite.sh keeps its Debian 13 tree and containerd-deb.sh its unpacked .deb (one per key, each
+#: with ``root/usr/bin``; ``complete`` marks a finished build, ``<name>.lock`` beside it is its lock).
+TREE_GLOB = ".cache/runtime/*/complete"
 #: The shim directory both series hard-code (``defaults.DefaultStateDir`` + ``/s``).
 SHIM_RUN_DIR = "/run/containerd"
 NAMESPACE = "k8s.io"
@@ -143,7 +147,7 @@ def release_build() -> ContainerdBuild | None:
 
 
 def tree_builds() -> list[ContainerdBuild]:
-    """The containerd of each finished Debian 13 tree under ``.cache/runtime`` (run-suite.sh's)."""
+    """The containerd of each finished tree under ``.cache/runtime`` (run-suite.sh's, containerd-deb.sh's)."""
     builds = []
     for marker in sorted(TOP.glob(TREE_GLOB)):
         bin_dir = marker.parent / "root" / "usr" / "bin"
@@ -155,7 +159,7 @@ def tree_builds() -> list[ContainerdBuild]:
 
 
 def find_build(series: str) -> ContainerdBuild | None:
-    """A containerd of ``series`` ("1.6", "1.7"): the release's own first, then a Debian 13 tree's."""
+    """A containerd of ``series`` ("1.6", "1.7", "2.1"): the release's own first, then a cached tree's."""
     for build in [b for b in [release_build()] if b] + tree_builds():
         if build.series == series:
             return build
@@ -180,8 +184,9 @@ def unavailable_reason(series: str) -> str | None:
         return "/dev/kvm does not exist (no kvm module)"
     if find_build(series) is None:
         return (
-            f"no containerd {series}: neither /usr/bin/containerd (apt-get install containerd) nor a Debian 13 "
-            "tree (make runtimes, or tests/runtime/run-suite.sh --build-only trixie) has it"
+            f"no containerd {series}: neither /usr/bin/containerd (apt-get install containerd) nor a tree in "
+            f"{TOP / '.cache/runtime'} has it (make runtimes: tests/runtime/run-suite.sh --build-only trixie "
+            "brings 1.7, tests/runtime/containerd-deb.sh 2.1)"
         )
     return None
 
@@ -393,18 +398,29 @@ def config_toml(
     enable_cdi: bool | None = None,
     cdi_spec_dirs: Sequence[Path | str] | None = None,
     cri_extra: str = "",
+    version: int = 2,
 ) -> str:
-    """containerd's config (version 2) for one run under ``workdir``: nothing outside it, no CNI,
-    the native snapshotter, the host's runc. ``cri_extra`` adds raw lines to the CRI plugin's table."""
+    """containerd's config for one run under ``workdir``: nothing outside it, no CNI, the native
+    snapshotter, the host's runc, NRI's socket (NRI is on by default in 2.x) under ``workdir``.
+    ``cri_extra`` adds raw lines to the table that holds ``enable_cdi``.
+
+    ``version`` 2 is the layout 1.6 and 1.7 read (2.x migrates it when it starts): one CRI table,
+    ``plugins."io.containerd.grpc.v1.cri"``. ``version`` 3 is 2.x's own: the runtime's keys (``enable_cdi``,
+    ``cdi_spec_dirs``, runtimes, CNI) in ``plugins.'io.containerd.cri.v1.runtime'``, the images' in
+    ``plugins.'io.containerd.cri.v1.images'``, and only the streaming server left in the old table.
+    ``version`` 1 is a file without ``version``, whose plugin tables 1.x names by their short IDs
+    (``plugins.cri``); for 1.x only (2.x reads none of its CRI keys, and NRI's table has no name there).
+    """
+    if version not in (1, 2, 3):
+        raise ValueError(f"no containerd config version {version}")
     cri_lines = []
     if enable_cdi is not None:
         cri_lines.append(f"enable_cdi = {str(enable_cdi).lower()}")
     if cdi_spec_dirs is not None:
         cri_lines.append(f"cdi_spec_dirs = {json.dumps([str(d) for d in cdi_spec_dirs])}")
-    cri_table = 'plugins."io.containerd.grpc.v1.cri"'
-    runtimes = f"{cri_table}.containerd.runtimes.runc"
-    return f"""\
-version = 2
+    cri_keys = "".join(f"  {line}{chr(10)}" for line in [*cri_lines, *cri_extra.splitlines()])
+    header = "" if version == 1 else f"version = {version}\n"
+    header += f"""\
 root = "{workdir}/root"
 state = "{workdir}/state"
 disabled_plugins = [
@@ -425,15 +441,25 @@ disabled_plugins = [
 [metrics]
   address = ""
 
-[plugins."io.containerd.internal.v1.opt"]
+[{"plugins.opt" if version == 1 else 'plugins."io.containerd.internal.v1.opt"'}]
   path = "{workdir}/opt"
-
+"""
+    if version > 1:
+        header += f"""
+[plugins."io.containerd.nri.v1.nri"]
+  socket_path = "{workdir}/nri.sock"
+"""
+    if version == 3:
+        return header + _cri_v3(workdir, runc, cri_keys)
+    cri_table = "plugins.cri" if version == 1 else 'plugins."io.containerd.grpc.v1.cri"'
+    runtimes = f"{cri_table}.containerd.runtimes.runc"
+    return f"""{header}
 [{cri_table}]
   sandbox_image = "{PAUSE_IMAGE}"
   restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
-{"".join(f"  {line}{chr(10)}" for line in [*cri_lines, *cri_extra.splitlines()])}
+{cri_keys}
 [{cri_table}.cni]
   bin_dir = "{workdir}/cni/bin"
   conf_dir = "{workdir}/cni/conf"
@@ -448,6 +474,41 @@ disabled_plugins = [
 [{runtimes}.options]
   BinaryName = "{runc}"
   SystemdCgroup = false
+"""
+
+
+def _cri_v3(workdir: Path, runc: str, runtime_keys: str) -> str:
+    """The CRI part of a version 3 config (2.x)."""
+    runtime_table = "plugins.'io.containerd.cri.v1.runtime'"
+    runtimes = f"{runtime_table}.containerd.runtimes.runc"
+    return f"""
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "native"
+
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = "{PAUSE_IMAGE}"
+
+[{runtime_table}]
+  restrict_oom_score_adj = true
+{runtime_keys}
+[{runtime_table}.cni]
+  bin_dirs = ["{workdir}/cni/bin"]
+  conf_dir = "{workdir}/cni/conf"
+
+[{runtime_table}.containerd]
+  default_runtime_name = "runc"
+
+[{runtimes}]
+  runtime_type = "io.containerd.runc.v2"
+  snapshotter = "native"
+
+[{runtimes}.options]
+  BinaryName = "{runc}"
+  SystemdCgroup = false
+
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
 """
 
 
@@ -485,8 +546,13 @@ class Containerd:
         cdi_spec_dirs: Sequence[Path | str] | None = None,
         images: Sequence[Path] = (),
         cri_extra: str = "",
+        config_version: int = 2,
+        config_text: str | None = None,
     ) -> Containerd:
         """Write the config, start containerd, wait for CRI's Version to answer, import ``images``.
+
+        ``config_text`` is written as the config instead of :func:`config_toml`'s (the file of an earlier
+        start, edited): the content store under ``workdir`` keeps what was imported then.
 
         Raises ContainerdError, with the end of containerd's log, if it exits or does not answer.
         """
@@ -496,9 +562,16 @@ class Containerd:
         workdir.mkdir(parents=True, exist_ok=True)
         self = cls(build, workdir)
         self._hold_tree()
-        self.config_path.write_text(
-            config_toml(workdir, runc=runc, enable_cdi=enable_cdi, cdi_spec_dirs=cdi_spec_dirs, cri_extra=cri_extra)
-        )
+        if config_text is None:
+            config_text = config_toml(
+                workdir,
+                runc=runc,
+                enable_cdi=enable_cdi,
+                cdi_spec_dirs=cdi_spec_dirs,
+                cri_extra=cri_extra,
+                version=config_version,
+            )
+        self.config_path.write_text(config_text)
         try:
             await self._launch()
             for archive in images:
@@ -587,6 +660,9 @@ class Containerd:
             "import",
             "--snapshotter",
             "native",
+            # 2.x's ctr imports through the transfer service, whose unpacker knows only the default
+            # snapshotter (overlayfs, not loaded here): import in ctr itself, as 1.x always does.
+            *(["--local"] if self.build.series >= "2" else []),
             str(archive),
         ]
         proc = await asyncio.create_subprocess_exec(

@@ -77,6 +77,10 @@ class TestDecide:
             gone.describe() == "unknown whether CDI is applied (no runtime socket at /run/containerd/containerd.sock)"
         )
         assert gone.runtime == ""
+        # Debian's containerd 2.x answers "2.1.9+unknown" (built without a git revision): shown as 2.1.9.
+        on = decide("containerd", "2.1.9+unknown", containerd_info(True), OURS)
+        assert on.describe() == f"containerd 2.1.9 applies CDI (reads {OURS})"
+        assert decide("containerd", "v1.7.24", containerd_info(False), OURS).runtime == "containerd 1.7.24"
 
 
 class TestRecorded:
