@@ -33,7 +33,7 @@ from ate_devplugd.kubelet_watch import KubeletWatch
 from ate_devplugd.logs import EventLog
 from ate_devplugd.metrics import Metrics
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
 
 
 class DraMode:

@@ -44,6 +44,8 @@ SAID = {
     slice_plan.PublishReason.REPUBLISHED: ("dra-slice-republished", "published again after it was deleted"),
     slice_plan.PublishReason.UPDATED: ("dra-slice-published", "updated"),
 }
+#: The events of a pool's slice (``_event`` logs them by name).
+EVENTS = ("dra-slice-published", "dra-slice-republished", "dra-slice-adopted")
 
 
 class SliceState(enum.Enum):
@@ -157,9 +159,14 @@ class SlicePublisher:
                     retry = self._reconnects.api_failed(exc, backoff.next(), token=self._token)
                     refused = SliceState.CREDENTIALS_REFUSED if retry.credentials_refused else SliceState.API_ERROR
                     self._set_state(refused, retry.detail)
-                except Exception:  # the one boundary of this supervised task: log, back off, retry
+                except Exception:  # noqa: BLE001 - the one boundary of this supervised task: log, back off, retry
                     retry = Retry(backoff.next(), "internal error (see the log)")
-                    log.exception("dra: the slice publisher failed (retrying in %.2f s)", retry.delay)
+                    EventLog(log).error(
+                        "dra-publisher-failed",
+                        "dra: the slice publisher failed (retrying in %.2f s)",
+                        retry.delay,
+                        exc_info=True,
+                    )
                     self._reconnects.new_problem()
                     self._set_state(SliceState.API_ERROR, retry.detail)
                 self._reconnects.failed()
