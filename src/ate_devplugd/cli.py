@@ -325,6 +325,7 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     malloc.one_arena()
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
+    from ate_devplugd import reload_result  # noqa: PLC0415
     from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon
     from ate_devplugd.logs import setup_logging  # noqa: PLC0415
 
@@ -337,9 +338,10 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
     if early.stop:
         return os.EX_OK
-    # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`.
+    # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`, each reload's outcome for `reload`.
     running = configmod.running_config_path() if os.environ.get("RUNTIME_DIRECTORY") else None
-    daemon = Daemon(cfg, reload_config=reload_config, running_config=running)
+    result = reload_result.path_in(os.path.dirname(running)) if running is not None else None
+    daemon = Daemon(cfg, reload_config=reload_config, running_config=running, reload_result=result)
 
     async def run() -> int:
         task = asyncio.ensure_future(daemon.run())

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.malloc",
                 "ate_devplugd.notify",
                 "ate_devplugd.promtext",
+                "ate_devplugd.reload_result",
                 "ate_devplugd.unixsock",
                 "ate_devplugd.unixserver",
             }
@@ -58,6 +59,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset(
             {
                 "ate_devplugd.devices",
+                "ate_devplugd.device_watch",
                 "ate_devplugd.cdi",
                 "ate_devplugd.servicer",
                 "ate_devplugd.endpoint",
@@ -65,6 +67,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.kubelet_watch",
                 "ate_devplugd.podresources",
                 "ate_devplugd.textfile",
+                "ate_devplugd.runtime_files",
                 "ate_devplugd.udev",
                 "ate_devplugd.metrics",
                 "ate_devplugd.dra.apiclient",
@@ -98,6 +101,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset(
             {
                 "ate_devplugd.daemon",
+                "ate_devplugd.reload_decision",
+                "ate_devplugd.reload_report",
                 "ate_devplugd.nodeprobe",
                 "ate_devplugd.doctor",
                 "ate_devplugd.dra.doctor",
