@@ -111,7 +111,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             }
         ),
     ),
-    ("the command line", frozenset({"ate_devplugd.cli", "ate_devplugd.__main__"})),
+    ("the command line", frozenset({"ate_devplugd.cli", "ate_devplugd.cli_args", "ate_devplugd.__main__"})),
 )
 #: The layer from which a module may use both modes' own modules (the commands).
 COMMANDS = 5
