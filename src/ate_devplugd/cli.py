@@ -1,5 +1,5 @@
-"""Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests``: each command
-run as ``cli_args`` parsed it."""
+"""Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests | reload``: each
+command run as ``cli_args`` parsed it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ate_devplugd import __version__, cli_args
 from ate_devplugd import config as configmod
 from ate_devplugd.config import DEFAULT_CONFIG_PATH, ConfigError
 
-#: `probe` found a socket that does not answer (os.EX_* has no name for it).
+#: `probe` found a socket that does not answer, `doctor` a FAIL, `reload` a refusal (os.EX_* has no name).
 EX_FAILURE = 1
 #: How long, at exit, the loop is kept for tasks gRPC still has on it.
 LEFTOVER_TASKS_TIMEOUT = 0.5
@@ -25,7 +25,7 @@ def _config_error(exc: ConfigError) -> int:
     return os.EX_CONFIG
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
     early = _EarlySignals()
     parser = cli_args.build_parser()
     args = parser.parse_args(cli_args.command_first(parser, list(sys.argv[1:] if argv is None else argv)))
@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "doctor":
         return _doctor(args.config, as_json=args.json)
+    if args.command == "reload":  # before the config is read: the daemon reads it, and says what it found
+        from ate_devplugd import reload_request  # noqa: PLC0415 - inotify only for this command
+
+        return os.EX_OK if reload_request.request(args.config, args.pid, args.timeout) else EX_FAILURE
     try:
         cfg = configmod.load(args.config)
         if args.command == "run":

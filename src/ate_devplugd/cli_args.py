@@ -23,9 +23,12 @@ COMMANDS = {
     "probe": "query every plugin socket as kubelet would: what the node offers (DRA: and its slices)",
     "doctor": "check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL",
     "dra-manifests": "print the DeviceClasses (and RBAC) an administrator applies once for DRA mode",
+    "reload": "make the running daemon reload its config and wait for its verdict; exit 1 when refused",
 }
 #: `probe --timeout` when not given, in seconds.
 PROBE_TIMEOUT = 5.0
+#: `reload --timeout` when not given, in seconds: how long the daemon's verdict is waited for.
+RELOAD_TIMEOUT = 30.0
 
 USAGE = "ate-devplugd [-h] [--version] [COMMAND] [OPTIONS]"
 
@@ -39,10 +42,12 @@ examples:
   ate-devplugd probe
   ate-devplugd doctor --json
   ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
+  systemctl reload ate-devplugd      (runs: ate-devplugd reload --pid $MAINPID)
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
              77 not root: cannot create or write the plugin directory (EX_NOPERM);
-             1 probe found a socket that does not answer, or doctor found a FAIL; 2 bad usage.
+             1 probe found a socket that does not answer, doctor found a FAIL, or the daemon
+               refused or failed a reload (or there is none to ask); 2 bad usage.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
 """
 )
@@ -105,6 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = command("doctor")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+
+    reload = command("reload")
+    reload.add_argument(
+        "--pid",
+        type=int,
+        metavar="PID",
+        help="the daemon's process (default: $MAINPID, as systemd gives it to ExecReload=, else the one "
+        "whose reload record is in its runtime directory)",
+    )
+    reload.add_argument(
+        "--timeout",
+        type=seconds,
+        default=RELOAD_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long to wait for the daemon's verdict (default {RELOAD_TIMEOUT:g})",
+    )
 
     manifests = command("dra-manifests")
     which = manifests.add_mutually_exclusive_group()

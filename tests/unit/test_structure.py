@@ -103,6 +103,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.daemon",
                 "ate_devplugd.reload_decision",
                 "ate_devplugd.reload_report",
+                "ate_devplugd.reload_request",
                 "ate_devplugd.nodeprobe",
                 "ate_devplugd.doctor",
                 "ate_devplugd.dra.doctor",
