@@ -608,9 +608,11 @@ async def daemon_in_process(
     reload_config: Callable[[], Config] | None = None,
     notify: Path | None = None,
     running_config: Path | None = None,
+    reload_result: Path | None = None,
 ) -> AsyncIterator[DaemonInProcess]:
     """``Daemon`` on this loop with ``kernel`` for the device nodes and ``monitor`` for udev (and, given
-    ``running_config``, the config it runs kept there, as under the unit)."""
+    ``running_config`` and ``reload_result``, the config it runs and its reloads' outcome kept there, as
+    under the unit)."""
     factory = (lambda: (monitor, "udev")) if monitor is not None else None
     notifier = Notifier(str(notify) if notify is not None else None)
     with recording_events() as events:
@@ -621,6 +623,7 @@ async def daemon_in_process(
             monitor_factory=factory,
             notifier=notifier,
             running_config=str(running_config) if running_config is not None else None,
+            reload_result=str(reload_result) if reload_result is not None else None,
         )
         task = asyncio.get_running_loop().create_task(daemon.run())
         try:

@@ -1,174 +1,22 @@
-"""Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests``."""
+"""Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests | reload``: each
+command run as ``cli_args`` parsed it."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
 
-from ate_devplugd import __version__
+from ate_devplugd import __version__, cli_args
 from ate_devplugd import config as configmod
-from ate_devplugd.config import DEFAULT_CONFIG_PATH, DEFAULT_PLUGIN_DIR, ConfigError
+from ate_devplugd.config import DEFAULT_CONFIG_PATH, ConfigError
 
-#: `probe` found a socket that does not answer (os.EX_* has no name for it).
+#: `probe` found a socket that does not answer, `doctor` a FAIL, `reload` a refusal (os.EX_* has no name).
 EX_FAILURE = 1
 #: How long, at exit, the loop is kept for tasks gRPC still has on it.
 LEFTOVER_TASKS_TIMEOUT = 0.5
-
-DESCRIPTION = """\
-Advertise host device nodes (by default /dev/kvm) to kubelet as extended resources, so a pod that
-requests e.g. `ate.dev/kvm: 1` gets that one device node and the matching cgroup allow rule, without
-running privileged. Runs as a systemd service (Type=notify); see ate-devplugd(8) and
-ate-devplugd.toml(5).
-"""
-
-#: Each command and its one line, in `--help` and atop the command's own help.
-COMMANDS = {
-    "run": "the daemon, in the foreground (the default when no command is given)",
-    "check-config": "validate the config and print the effective config; exit 78 on errors",
-    "probe": "query every plugin socket as kubelet would: what the node offers (DRA: and its slices)",
-    "doctor": "check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL",
-    "dra-manifests": "print the DeviceClasses (and RBAC) an administrator applies once for DRA mode",
-}
-#: `probe --timeout` when not given, in seconds.
-PROBE_TIMEOUT = 5.0
-
-USAGE = "ate-devplugd [-h] [--version] [COMMAND] [OPTIONS]"
-
-EPILOG = (
-    "commands (`ate-devplugd COMMAND --help` gives each one's options):\n"
-    + "".join(f"  {name:<15}{line}\n" for name, line in COMMANDS.items())
-    + f"""
-examples:
-  ate-devplugd check-config --config /etc/ate-devplugd/config.toml
-  ate-devplugd run --log-target console --log-level debug
-  ate-devplugd probe
-  ate-devplugd doctor --json
-  ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
-
-exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
-             77 not root: cannot create or write the plugin directory (EX_NOPERM);
-             1 probe found a socket that does not answer, or doctor found a FAIL; 2 bad usage.
-default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
-"""
-)
-
-
-def _seconds(text: str) -> float:
-    """``--timeout``: a finite number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, e.g. {PROBE_TIMEOUT:g}, not {text}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ate-devplugd",
-        usage=USAGE,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"ate-devplugd {__version__}")
-    # listed once, in the epilog: argparse's own list of subcommands cannot keep them to one line each
-    sub = parser.add_subparsers(dest="command", prog="ate-devplugd", help=argparse.SUPPRESS)
-
-    def command(name: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, description=COMMANDS[name])
-        p.add_argument(
-            "--config",
-            metavar="PATH",
-            help=f"config file (default {DEFAULT_CONFIG_PATH}, if it exists)",
-        )
-        return p
-
-    run = command("run")
-    run.add_argument("--plugin-dir", metavar="DIR", help=f"kubelet's device-plugin directory ({DEFAULT_PLUGIN_DIR})")
-    run.add_argument("--dev-root", metavar="DIR", help="look device paths up under DIR (default /)")
-    run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
-    run.add_argument(
-        "--log-target",
-        choices=("auto", "journal", "console"),
-        default="auto",
-        help="auto: journald when started by systemd, else stderr",
-    )
-
-    command("check-config")
-
-    probe = command("probe")
-    probe.add_argument("--plugin-dir", metavar="DIR", help="directory to probe (default: from the config)")
-    probe.add_argument(
-        "--timeout",
-        type=_seconds,
-        default=PROBE_TIMEOUT,
-        metavar="SECONDS",
-        help=f"per-call timeout in seconds (default {PROBE_TIMEOUT:g})",
-    )
-
-    doctor = command("doctor")
-    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
-
-    manifests = command("dra-manifests")
-    which = manifests.add_mutually_exclusive_group()
-    which.add_argument(
-        "--kubelet-credentials",
-        action="store_true",
-        help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses only, no RBAC or policy",
-    )
-    which.add_argument(
-        "--stage",
-        choices=("policy", "grant"),
-        help="print one stage: 'policy' (DeviceClasses, service account, admission policy), then, once the "
-        "policy is in force, 'grant' (the RBAC it confines)",
-    )
-    return parser
-
-
-def _command_first(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
-    """``args`` with the command first, wherever it was given (``--config X check-config``), or ``run``
-    before them when none is; an argument where a command belongs that is none is a usage error.
-
-    The command is the first argument that is neither an option nor an option's value, so the options
-    that take a value are looked up in the commands' parsers (an unambiguous abbreviation counts).
-    """
-    if "--version" in args:
-        return args
-    takes_value: set[str] = set()
-    is_flag: set[str] = set()
-    # argparse lists a parser's options only in its private _actions
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for command in action.choices.values():
-                for option in command._actions:
-                    (is_flag if option.nargs == 0 else takes_value).update(option.option_strings)
-    is_flag.update(("-h", "--help"))
-    index = 0
-    while index < len(args):
-        arg = args[index]
-        if arg == "--":
-            index += 1
-            break
-        if not arg.startswith("-") or arg == "-":
-            break
-        if "=" not in arg and arg not in is_flag:
-            values = {o for o in takes_value if o.startswith(arg)} if arg.startswith("--") else {arg} & takes_value
-            flags = {o for o in is_flag if o.startswith(arg)} if arg.startswith("--") else set()
-            if values and not flags:
-                index += 1  # its value
-        index += 1
-    if index >= len(args):
-        return args if any(a in ("-h", "--help") for a in args) else ["run", *args]
-    name = args[index]
-    if name not in COMMANDS:
-        parser.error(f"unknown command {name!r}; the commands are {', '.join(COMMANDS)} (see --help)")
-    return [name, *args[:index], *args[index + 1 :]]
 
 
 def _config_error(exc: ConfigError) -> int:
@@ -177,15 +25,19 @@ def _config_error(exc: ConfigError) -> int:
     return os.EX_CONFIG
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
     early = _EarlySignals()
-    parser = _parser()
-    args = parser.parse_args(_command_first(parser, list(sys.argv[1:] if argv is None else argv)))
+    parser = cli_args.build_parser()
+    args = parser.parse_args(cli_args.command_first(parser, list(sys.argv[1:] if argv is None else argv)))
     if args.command != "run":
         early.restore()
 
     if args.command == "doctor":
         return _doctor(args.config, as_json=args.json)
+    if args.command == "reload":  # before the config is read: the daemon reads it, and says what it found
+        from ate_devplugd import reload_request  # noqa: PLC0415 - inotify only for this command
+
+        return os.EX_OK if reload_request.request(args.config, args.pid, args.timeout) else EX_FAILURE
     try:
         cfg = configmod.load(args.config)
         if args.command == "run":
@@ -325,6 +177,7 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     malloc.one_arena()
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
+    from ate_devplugd import reload_result  # noqa: PLC0415
     from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon
     from ate_devplugd.logs import setup_logging  # noqa: PLC0415
 
@@ -337,9 +190,10 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
     if early.stop:
         return os.EX_OK
-    # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`.
+    # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`, each reload's outcome for `reload`.
     running = configmod.running_config_path() if os.environ.get("RUNTIME_DIRECTORY") else None
-    daemon = Daemon(cfg, reload_config=reload_config, running_config=running)
+    result = reload_result.path_in(os.path.dirname(running)) if running is not None else None
+    daemon = Daemon(cfg, reload_config=reload_config, running_config=running, reload_result=result)
 
     async def run() -> int:
         task = asyncio.ensure_future(daemon.run())

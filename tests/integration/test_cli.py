@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.support import run_cli
 
-COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests")
+COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests", "reload")
 EX_USAGE = 2
 EX_CONFIG = 78
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'

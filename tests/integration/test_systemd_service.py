@@ -288,19 +288,16 @@ class TestThreads:
 
 
 class TestUnitFile:
-    def test_reload_signals_then_checks_the_file(self) -> None:
-        """ExecReload sends SIGHUP first (the daemon refuses a bad file itself and says so in STATUS),
-        then runs check-config (a bad file fails the reload job, its errors logged as the daemon's); the
-        runtime directory is the one `probe` reads the running config from."""
+    def test_reload_waits_for_the_daemons_verdict(self) -> None:
+        """ExecReload runs `ate-devplugd reload` with the daemon's pid: it signals the daemon and waits for
+        its verdict, so every refusal fails the reload job (its line logged as the daemon's); the runtime
+        directory is the one `probe` and `reload` read."""
         directives: dict[str, list[str]] = {}
         for line in UNIT.read_text().splitlines():
             if re.match(r"[A-Za-z]+=", line):
                 key, value = line.split("=", 1)
                 directives.setdefault(key, []).append(value)
-        assert directives["ExecReload"] == [
-            "/bin/kill -HUP $MAINPID",
-            "/bin/sh -c 'exec /usr/bin/ate-devplugd check-config >/dev/null'",
-        ]
+        assert directives["ExecReload"] == ["/usr/bin/ate-devplugd reload --pid $MAINPID"]
         assert directives["SyslogIdentifier"] == ["ate-devplugd"]
         assert ["/run/" + directives["RuntimeDirectory"][0]] == [configmod.DEFAULT_RUNTIME_DIR]
         assert configmod.running_config_path({}).startswith(configmod.DEFAULT_RUNTIME_DIR + "/")

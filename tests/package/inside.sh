@@ -233,10 +233,10 @@ assert "enable_cdi = true" in checks["runtime cdi"]["remedy"]
 check "ate-devplugd doctor --json: daemon, socket and registration OK; the runtime FAILs (exit 1)" doctor_says
 systemctl stop fake-runtime.service 2>/dev/null
 
-# A broken config: the unit's ExecReload signals the daemon, which refuses it (STATUS ends with "reload
-# refused HH:MM:SS: <first error>"), then runs check-config, so `systemctl reload` itself fails; the
-# error is in `systemctl status`. probe meanwhile uses the config the daemon runs, from its runtime
-# directory. A good reload afterwards clears the refusal from STATUS.
+# A broken config: the unit's ExecReload (`ate-devplugd reload`) signals the daemon, which refuses it
+# (STATUS ends with "reload refused HH:MM:SS: <first error>"), and waits for that verdict, so `systemctl
+# reload` itself fails; the error is in `systemctl status`. probe meanwhile uses the config the daemon
+# runs, from its runtime directory. A good reload afterwards clears the refusal from STATUS.
 reload_refused() {
     local pid c out rc=0 status
     pid=$(prop MainPID); c=$(cursor)
@@ -269,6 +269,42 @@ reload_refused() {
     return "$rc"
 }
 check "broken config: systemctl reload fails with the error in systemctl status, STATUS says refused, probe uses the running config" reload_refused
+
+# A valid file that changes a restart-only key (mode = "dra"; check-config passes it): the daemon refuses
+# the reload whole, and `systemctl reload` fails all the same, with the one line that says why in the
+# unit's journal and `systemctl status` (systemd shows no output of ExecReload on the terminal, only
+# that the job failed). Nothing changed: same process, still device-plugin mode, STATUS says refused.
+reload_restart_only() {
+    local pid c out rc=0 status
+    pid=$(prop MainPID); c=$(cursor)
+    cp -a "$conf" /run/config.toml.good
+    sed -i 's/^log_level = .*/&\nmode = "dra"/' "$conf"
+    grep -qx 'mode = "dra"' "$conf" || { say "mode = \"dra\" not written into $conf"; return 1; }
+    ate-devplugd check-config >/dev/null || { say "check-config refused the mode change itself"; rc=1; }
+    if out=$(systemctl reload "$unit" 2>&1); then
+        say "systemctl reload succeeded with a mode change"; rc=1
+    fi
+    say "systemctl reload (mode = \"dra\"): $out"
+    printf '%s' "$out" | grep -qF "$unit failed" || { say "systemctl did not say the job failed"; rc=1; }
+    journal_record --after-cursor "$c" --timeout 30 ATE_EVENT=reload-failed >/dev/null || rc=1
+    wait_for 30 sh -c "${wait_event[*]} journal-text $unit --after-cursor '$c' | grep -qF \"ate-devplugd: reload refused: mode = 'dra' (running: 'device-plugin')\"" ||
+        { say "the reload command's line is not in the unit's journal"; rc=1; }
+    status=$(systemctl status --no-pager --full -n 20 "$unit" 2>&1)
+    printf '%s\n' "$status" >&2
+    printf '%s' "$status" | grep -qF "ate-devplugd: reload refused: mode = 'dra' (running: 'device-plugin'), [dra] added: change only on restart, so nothing of this reload was applied" ||
+        { say "systemctl status does not show why the reload was refused"; rc=1; }
+    printf '%s' "$status" | grep -q "^ *Status: \".* | reload refused [0-9][0-9]:[0-9][0-9]:[0-9][0-9]: mode = 'dra'" ||
+        { say "STATUS does not say the reload was refused"; rc=1; }
+    is_running && expect_prop MainPID "$pid" || rc=1
+    grep -q '^mode = "device-plugin"$' /run/ate-devplugd/running-config.toml ||
+        { say "the running config is not device-plugin mode's any more"; rc=1; }
+    cp -a /run/config.toml.good "$conf"
+    systemctl reload "$unit" || { say "the good config's reload failed"; rc=1; }
+    wait_for 30 sh -c "! systemctl show -P StatusText $unit | grep -q 'reload refused'" ||
+        { say "STATUS still says refused after a good reload: $(prop StatusText)"; rc=1; }
+    return "$rc"
+}
+check "restart-only change (mode): systemctl reload fails, the reason in the journal and systemctl status, nothing applied" reload_restart_only
 
 # ---- kubelet restart -----------------------------------------------------------------------------
 kubelet_restart() {

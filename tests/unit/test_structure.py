@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.malloc",
                 "ate_devplugd.notify",
                 "ate_devplugd.promtext",
+                "ate_devplugd.reload_result",
                 "ate_devplugd.unixsock",
                 "ate_devplugd.unixserver",
             }
@@ -59,6 +60,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset(
             {
                 "ate_devplugd.devices",
+                "ate_devplugd.device_watch",
                 "ate_devplugd.cdi",
                 "ate_devplugd.servicer",
                 "ate_devplugd.endpoint",
@@ -66,6 +68,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.kubelet_watch",
                 "ate_devplugd.podresources",
                 "ate_devplugd.textfile",
+                "ate_devplugd.runtime_files",
                 "ate_devplugd.udev",
                 "ate_devplugd.metrics",
                 "ate_devplugd.dra.apiclient",
@@ -100,6 +103,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset(
             {
                 "ate_devplugd.daemon",
+                "ate_devplugd.reload_decision",
+                "ate_devplugd.reload_report",
+                "ate_devplugd.reload_request",
                 "ate_devplugd.nodeprobe",
                 "ate_devplugd.doctor",
                 "ate_devplugd.doctor_daemon",
@@ -110,7 +116,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             }
         ),
     ),
-    ("the command line", frozenset({"ate_devplugd.cli", "ate_devplugd.__main__"})),
+    ("the command line", frozenset({"ate_devplugd.cli", "ate_devplugd.cli_args", "ate_devplugd.__main__"})),
 )
 #: The layer from which a module may use both modes' own modules (the commands).
 COMMANDS = 5
