@@ -182,7 +182,7 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     from ate_devplugd.logs import setup_logging  # noqa: PLC0415
 
     setup_logging(args.log_target, cfg.log_level)
-    log = logging.getLogger("ate_devplugd")
+    log = logging.getLogger(__name__)
 
     def reload_config() -> configmod.Config:
         return configmod.load(args.config).with_overrides(**_run_overrides(args))

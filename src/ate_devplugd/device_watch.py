@@ -19,7 +19,7 @@ from ate_devplugd.devices import DeviceRegistry, LookHook, Resource
 from ate_devplugd.kernel import KernelView, UdevKernelView
 from ate_devplugd.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
 
 MonitorFactory = Callable[[], tuple[MonitorLike, str]]
 

@@ -20,7 +20,7 @@ from ate_devplugd.reload_decision import ReloadRefused
 from ate_devplugd.reload_result import Outcome
 from ate_devplugd.runtime_files import RuntimeFiles
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
 
 
 class ReloadReport:

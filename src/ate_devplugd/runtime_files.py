@@ -19,7 +19,7 @@ from ate_devplugd.config import Config
 from ate_devplugd.logs import EventLog
 from ate_devplugd.reload_result import Outcome, Result
 
-log = logging.getLogger("ate_devplugd")
+log = logging.getLogger(__name__)
 
 
 class RuntimeFiles:

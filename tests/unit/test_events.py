@@ -105,7 +105,8 @@ def readme_events() -> set[str]:
     """The event names in README's table of events (the section "Events")."""
     text = README.read_text()
     section = text.split("\n### Events\n", 1)[1].split("\n#", 1)[0]
-    return {m for line in section.splitlines() for m in re.findall(r"^\| `([a-z0-9-]+)`", line)}
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in re.findall(r"`([a-z0-9-]+)`", cell)}
 
 
 SCAN = Scan()

@@ -144,10 +144,6 @@ MAX_LINES = 350
 MAX_LINES_OF = {"ate_devplugd.daemon": 300}
 
 
-#: While the restructuring moves modules: each of these tests still fails; strict, so one that passes says so.
-MOVING = pytest.mark.xfail(strict=True, reason="the restructuring is under way")
-
-
 def modules() -> dict[str, pathlib.Path]:
     found = {}
     for path in (SRC / PACKAGE).rglob("*.py"):
@@ -160,7 +156,6 @@ def modules() -> dict[str, pathlib.Path]:
     return found
 
 
-@MOVING
 def test_no_module_is_big() -> None:
     big = sorted(
         f"{name}: {lines} lines (at most {limit})"
