@@ -59,8 +59,8 @@ class DraMode:
         """At start: serve kubelet's DRA plugin API for these resources and publish them. Later: a reload."""
         if self._driver is not None:
             if names:
-                EventLog(log).warning(
-                    "reload",
+                EventLog(log).error(
+                    "reload-failed",
                     "DRA mode publishes its resources as they were at start: %s takes a restart",
                     ", ".join(names),
                 )
@@ -82,8 +82,8 @@ class DraMode:
         if names is None and self._driver is not None:
             await self._driver.stop()
         elif names:
-            EventLog(log).warning(
-                "reload",
+            EventLog(log).error(
+                "reload-failed",
                 "DRA mode publishes its resources as they were at start: removing %s takes a restart",
                 ", ".join(names),
             )
