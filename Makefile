@@ -157,7 +157,7 @@ e2e: $(DEB) ## the .deb in a Debian 12 VM (qemu) with real udevd and kernel modu
 # from the trixie tree. ATE_RESTARTS=1000 runs tests/fault/test_registration_once.py's random kubelet
 # restarts at full size (1,000 with the CPU idle, 1,000 with it overcommitted: about 3 minutes a suite).
 # ATE_NODE_LIFE_EVENTS=60 lives tests/fault/test_node_life.py's random node life at 60 events a mode
-# (25 in `make test`): doctor runs after each, so about 3.5 minutes a suite on a loaded machine.
+# (25 in `make test`): doctor runs after each, so 1.3 minutes a suite quiet, up to 3.5 loaded.
 check: export ATE_REQUIRE_PODMAN := 1
 check: export ATE_REQUIRE_CONTAINERD := 1
 check: export ATE_REQUIRE_PROMETHEUS_TOOLS := 1
