@@ -412,8 +412,8 @@ class Node:
         """Until every signal has said the truth (and the cheap ones all say it at once), within BOUND;
         returns each signal's first agreement, in seconds from now. doctor runs once the cheap ones
         agree (and again until it agrees too)."""
-        wait = Wait(self.truth.facts(), {*self.cheap_signals(), "doctor"})
         cheap = self.cheap_signals()
+        wait = Wait(self.truth.facts(), {*cheap, "doctor"})
         doctor: asyncio.Task[Facts] | None = None
         try:
             async with asyncio.timeout(BOUND):
