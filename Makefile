@@ -159,7 +159,7 @@ e2e: $(DEB) ## the .deb in a Debian 12 VM (qemu) with real udevd and kernel modu
 # from the trixie tree and 2.1 from its unpacked .deb. ATE_RESTARTS=1000 runs
 # tests/fault/test_registration_once.py's random kubelet restarts at full size (1,000 with the CPU
 # idle, 1,000 with it overcommitted: about 3 minutes a suite).
-# ATE_NODE_LIFE_EVENTS=60 lives tests/fault/test_node_life.py's random node life at 60 events a mode
+# ATE_NODE_LIFE_EVENTS=60 runs tests/fault/test_node_life.py's random node life at 60 events a mode
 # (25 in `make test`): doctor runs after each, so 1.3 minutes a suite quiet, up to 3.5 loaded.
 check: export ATE_REQUIRE_PODMAN := 1
 check: export ATE_REQUIRE_CONTAINERD := 1
