@@ -237,7 +237,7 @@ def review(config: Config) -> Review:
 
     ``check-config`` and a reload call this: at start the daemon serves a path that is a directory as an
     absent device (it may become the node later) and says so in STATUS, but a reload refuses what
-    ``check-config`` refuses, since the unit's reload runs ``check-config`` and fails on its errors.
+    ``check-config`` refuses, so that a config the command refuses is never applied by a reload either.
     """
     errors: list[str] = []
     warnings: list[str] = []
