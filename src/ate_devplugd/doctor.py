@@ -155,23 +155,60 @@ def _owner(st: os.stat_result) -> str:
     return f"{stat.S_IMODE(st.st_mode):04o} {user}:{group}"
 
 
-def access_finding(cfg: Config, dev: DeviceConfig, node: str, report: RuntimeReport) -> Finding:
-    """What the host's owner and mode mean for a VMM that is not root, with and without CDI."""
+def access_finding(  # noqa: PLR0911 - one return per verdict
+    cfg: Config, dev: DeviceConfig, node: str, report: RuntimeReport
+) -> Finding:
+    """What a container asking for the resource will get, for the runtime's verdict: the spec's owner and
+    mode (applied), the host's (not applied, or no CDI for it), no container at all (our spec directory
+    not read), or nothing that can be told (unknown)."""
     check = f"access {dev.resource}"
     try:
         st = os.stat(node)
     except OSError as exc:
         return warn(check, f"cannot stat {node}: {exc.strerror}")
     host = _owner(st)
-    if dev.cdi and report.verdict is CdiVerdict.APPLIED:
-        inside = f"{dev.container_mode:04o}" if dev.container_mode is not None else "the spec's mode"
-        return ok(check, f"host {host}; containers get {inside} through CDI, so a VMM that is not root opens it")
-    if stat.S_IMODE(st.st_mode) & 0o006 == 0o006:
-        return ok(check, f"host {host}: any user in a container opens it")
-    why = f"host {host}: a VMM that is not root (nor in the node's gid {st.st_gid}) gets EACCES"
+    open_to_all = stat.S_IMODE(st.st_mode) & 0o006 == 0o006
+    eacces = f"a VMM that is not root (nor in the node's gid {st.st_gid}) gets EACCES"
     if not dev.cdi:
-        return warn(check, f"{why}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)")
-    return warn(check, f"{why}: the runtime does not apply its CDI spec (see runtime)", "fix the runtime line below")
+        if open_to_all:
+            return ok(check, f"host {host}: any user in a container opens it")
+        return warn(
+            check, f"host {host}: {eacces}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)"
+        )
+    verdict = report.verdict
+    if verdict is CdiVerdict.APPLIED:
+        return ok(
+            check, f"host {host}; containers get {_spec_access(dev)} through CDI, so a VMM that is not root opens it"
+        )
+    if verdict is CdiVerdict.DIR_NOT_READ:
+        why = f"host {host}; no container that asks for it is created: the runtime does not read {cfg.cdi_dir}"
+        return warn(check, f"{why} (unresolvable CDI devices)", "fix the runtime line below")
+    if verdict is CdiVerdict.UNKNOWN:
+        why = "runtime not found" if not report.name else "see runtime"
+        return warn(check, f"host {host}; cannot tell what containers get ({why})", "see the runtime line below")
+    if cfg.mode == "dra":
+        return warn(
+            check,
+            f"host {host}; containers get no device: DRA hands it over through CDI only",
+            "fix the runtime line below",
+        )
+    if open_to_all:
+        return ok(check, f"host {host}: the runtime ignores the CDI spec, but any user in a container opens it")
+    return warn(
+        check,
+        f"host {host}: {eacces}: the runtime does not apply its CDI spec (see runtime)",
+        "fix the runtime line below",
+    )
+
+
+def _spec_access(dev: DeviceConfig) -> str:
+    """The node's mode and owner in a container, as the CDI spec makes them: ``0666 (owned by 1000:1000)``;
+    without uid and gid in the spec a runtime gives the node to the container's user (cdi.py)."""
+    if dev.container_uid is None and dev.container_gid is None:
+        return f"{dev.node_mode:04o} (owned by the container's user)"
+    uid = "-" if dev.container_uid is None else str(dev.container_uid)
+    gid = "-" if dev.container_gid is None else str(dev.container_gid)
+    return f"{dev.node_mode:04o} (owned by {uid}:{gid})"
 
 
 # -- kubelet, cgroups ------------------------------------------------------------------------------
