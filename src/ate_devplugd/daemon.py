@@ -223,7 +223,9 @@ class Daemon:
         starts; the check follows the runtime's own restarts by itself). It never delays anything."""
         cfg = self.config
         enabled = wanted(any(dev.cdi for dev in cfg.devices), cfg.mode)
-        self._runtime.start(socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled)
+        self._runtime.start(
+            socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled, devices=cfg.devices
+        )
 
     def _runtime_report(self, report: RuntimeReport | None) -> None:
         if report is None:
@@ -277,6 +279,8 @@ class Daemon:
         report = self._runtime.report
         if report is not None:
             line += f" | cdi: {report.describe()}"
+        if specs := self._runtime.spec_status():
+            line += f" | {specs}"
         return line if self._reload_note is None else f"{line} | {self._reload_note}"
 
     def _update_status(self) -> None:

@@ -3,7 +3,9 @@
 ``ask`` puts kubelet's own questions to the runtime (``Version``; ``Status`` with ``verbose``) and hands
 the answers to ``runtime_facts.decide``, which holds what each runtime does with CDI names; no socket, no
 answer in time, or an error is ``UNKNOWN``. ``RuntimeCheck`` is the daemon's use of it: asked at start, on
-reload, when kubelet starts and whenever the runtime's socket is created again.
+reload, when kubelet starts and whenever the runtime's socket is created again. Each answer also points
+the spec check (``cdi_conflicts.SpecCheck``) at the spec directories the runtime reads (the CDI
+library's defaults where it does not say).
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ import posixpath
 from collections.abc import Callable
 from typing import Any
 
+from ate_devplugd import cdi_conflicts
+from ate_devplugd.cdi_conflicts import SpecCheck
+from ate_devplugd.cdi_rules import SpecProblem
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.logs import EventLog
-from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport, consequence, decide
+from ate_devplugd.runtime_facts import CDI_DEFAULT_SPEC_DIRS, CdiVerdict, RuntimeReport, consequence, decide
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +126,8 @@ class RuntimeCheck:
         self._watched: tuple[str, ...] = ()
         self._watchers: list[DirWatcher] = []
         self._settle: asyncio.TimerHandle | None = None
+        self._devices: tuple[DeviceConfig, ...] = ()
+        self._specs = SpecCheck(self._specs_changed)
 
     @property
     def report(self) -> RuntimeReport | None:
@@ -131,15 +139,29 @@ class RuntimeCheck:
         """The sockets whose directories are watched (empty while the check is off)."""
         return self._watched
 
-    def start(self, *, socket: str, cdi_dir: str, mode: str, enabled: bool) -> None:
-        """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew)."""
+    @property
+    def spec_problems(self) -> tuple[SpecProblem, ...]:
+        """Other specs that define our names, and specs of ours that do not load, in the runtime's spec
+        directories (empty while the check is off)."""
+        return self._specs.problems
+
+    def spec_status(self) -> str:
+        """STATUS's part for ``spec_problems`` ("" when none)."""
+        return cdi_conflicts.status(self._specs.problems)
+
+    def start(
+        self, *, socket: str, cdi_dir: str, mode: str, enabled: bool, devices: tuple[DeviceConfig, ...] = ()
+    ) -> None:
+        """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew);
+        ``devices``: those whose names the spec check looks for."""
         self._cancel()
         if not enabled:
             self._unwatch()
+            self._specs.close()
             self._logged = None
             self._set(None)
             return
-        self._mode, self._socket, self._cdi_dir = mode, socket, cdi_dir
+        self._mode, self._socket, self._cdi_dir, self._devices = mode, socket, cdi_dir, devices
         self._watch((socket,) if socket else DEFAULT_RUNTIME_SOCKETS)
         self._task = asyncio.get_running_loop().create_task(self._run(socket, cdi_dir), name="runtime CDI check")
 
@@ -147,6 +169,7 @@ class RuntimeCheck:
         task = self._task
         self._cancel()
         self._unwatch()
+        self._specs.close()
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
@@ -218,6 +241,12 @@ class RuntimeCheck:
         report: RuntimeReport = await self._ask(socket, cdi_dir)
         self._log(report)
         self._set(report)
+        self._specs.start(report.spec_dirs or CDI_DEFAULT_SPEC_DIRS, cdi_dir, self._devices)
+
+    def _specs_changed(self) -> None:
+        """The spec check found problems, or they are gone: the owner shows them (STATUS)."""
+        if self._report is not None:
+            self._on_report(self._report)
 
     def _set(self, report: RuntimeReport | None) -> None:
         if report != self._report:

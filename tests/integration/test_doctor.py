@@ -96,6 +96,7 @@ class TestAllRight:
             "cgroup",
             "runtime",
             "runtime cdi",
+            "cdi specs",
         ]
         assert checks["device ate.dev/kvm"].message == "/dev/kvm: character device 10:232"
         assert checks["access ate.dev/kvm"].message.startswith("host 0660 ")
@@ -138,6 +139,7 @@ TYPICAL = [
         'set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] of /etc/containerd/config.toml, restart '
         "containerd, then kubelet",
     ),
+    ("cdi specs", "OK", "no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm", ""),
 ]
 TYPICAL_TEXT = """\
 OK    config                  {tmp}/config.toml: 1 device(s), device-plugin mode
@@ -154,7 +156,8 @@ OK    cgroup                  v2: the runtime grants the device with an eBPF dev
 OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock
 FAIL  runtime cdi             containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node \
 (owner and mode), so a non-root VMM gets EACCES -- set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] \
-of /etc/containerd/config.toml, restart containerd, then kubelet"""
+of /etc/containerd/config.toml, restart containerd, then kubelet
+OK    cdi specs               no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm"""
 
 
 class TestTypicalRun:
@@ -183,7 +186,7 @@ class TestTypicalRun:
         run = {"tmp": str(tmp_path), "pid": str(os.getpid()), "owner": owner, "gid": str(st.st_gid)}
         assert render_text(findings) == TYPICAL_TEXT.format(**run)
         checks = [{"check": c, "level": level, "message": m.format(**run), "remedy": r} for c, level, m, r in TYPICAL]
-        summary = {"OK": 10, "WARN": 1, "FAIL": 1}
+        summary = {"OK": 11, "WARN": 1, "FAIL": 1}
         assert render_json(findings) == json.dumps({"ok": False, "summary": summary, "checks": checks}, indent=2)
         assert failed(findings)
 

@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.dra.kubeconfig",
                 "ate_devplugd.config",
                 "ate_devplugd.runtime_facts",
+                "ate_devplugd.cdi_rules",
                 "ate_devplugd.remedies",
                 "ate_devplugd.toml_text",
             }
@@ -60,6 +61,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "ate_devplugd.devices",
                 "ate_devplugd.cdi",
+                "ate_devplugd.cdi_conflicts",
                 "ate_devplugd.servicer",
                 "ate_devplugd.endpoint",
                 "ate_devplugd.lock",
