@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 #: Journal events: another spec defines one of our names; a spec of ours does not load.
 EVENT_CONFLICT = "cdi-conflict"
 EVENT_INVALID = "cdi-invalid"
+#: Journal event: a spec directory cannot be watched (the same event as for the runtime socket's).
+EVENT_UNWATCHED = "cdi-unwatched"
 #: How long after the first event in a spec directory it is read again (a tool writing several files
 #: is one scan).
 SETTLE_DELAY = 0.05
@@ -112,7 +114,12 @@ class SpecCheck:
                     watcher.start()
                 except OSError as exc:
                     watcher.close()
-                    log.warning("cdi: cannot watch %s for spec files (%s)", directory, exc.strerror or exc)
+                    EventLog(log).warning(
+                        EVENT_UNWATCHED,
+                        "cdi: cannot watch %s for spec files (%s); it is read again only when the runtime is asked",
+                        directory,
+                        exc.strerror or exc,
+                    )
                     continue
                 self._watchers.append(watcher)
             self._dirs = dirs
@@ -151,8 +158,10 @@ class SpecCheck:
         for problem in found:
             if problem in self._problems:
                 continue
-            event = EVENT_INVALID if problem.trouble is Trouble.REFUSED else EVENT_CONFLICT
-            events.warning(event, "cdi: %s", problem.describe())
+            if problem.trouble is Trouble.REFUSED:
+                events.warning(EVENT_INVALID, "cdi: %s", problem.describe())
+            else:
+                events.warning(EVENT_CONFLICT, "cdi: %s", problem.describe())
         if found != self._problems:
             self._problems = found
             self._on_change()
