@@ -56,6 +56,8 @@ class Node:
     mountinfo: str = MOUNTINFO
     #: The daemon's metrics file is read for what only the daemon knows (registration).
     read_metrics: Callable[[str], str] = field(default=lambda path: Path(path).read_text(encoding="utf-8"))
+    #: Where the running kubelet is looked for (its runtime endpoint).
+    proc_root: str = "/proc"
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -73,12 +75,13 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
         ]
     source = str(config_path) if config_path else _default_source()
     findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
-    report = await runtime_cdi.ask(cfg.runtime_socket, cfg.cdi_dir, TIMEOUT)
+    endpoint = runtime_cdi.discover(cfg.runtime_socket, node.proc_root)
+    report = await runtime_cdi.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
     for dev in cfg.devices:
         findings += device_findings(cfg, dev, node.kernel, report)
     findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
     findings += await kubelet_findings(cfg, node)
-    findings += doctor_runtime.findings(cfg, report)
+    findings += doctor_runtime.findings(cfg, report, endpoint)
     if cfg.mode == "dra" and cfg.dra is not None:
         from ate_devplugd.dra import doctor as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
 

@@ -36,8 +36,7 @@ def node_config(tmp_path: Path, plugin_dir: Path, fake_root: Path, **top: str) -
     prom.parent.mkdir(exist_ok=True)
     config = dataclasses.replace(
         kvm_config(plugin_dir, fake_root, metrics_file=prom, cdi=True, container_mode=0o666),
-        runtime_socket=str(tmp_path / "runtime.sock"),
-        **top,
+        **{"runtime_socket": str(tmp_path / "runtime.sock"), **top},
     )
     path = tmp_path / "config.toml"
     path.write_text(render(config))
@@ -103,7 +102,10 @@ class TestAllRight:
         assert "containers get 0666 (owned by the container's user) through CDI" in checks["access ate.dev/kvm"].message
         assert checks["daemon"].message == f"running (pid {os.getpid()})"
         assert checks["registered ate.dev/kvm"].message == "kubelet offers 4096 units of it (its pod-resources API)"
-        assert checks["runtime"].message == f"containerd 1.7.24~ds1 at {tmp_path / 'runtime.sock'}"
+        assert (
+            checks["runtime"].message
+            == f"containerd 1.7.24~ds1 at {tmp_path / 'runtime.sock'} (runtime_socket in our config)"
+        )
         assert checks["runtime cdi"].message == f"containerd 1.7.24~ds1 applies CDI (reads {config.cdi_dir})"
         assert checks["kubelet version"].message == "v1.31.2: passes CDI names to the runtime"
         assert all(line.startswith("OK    ") for line in text.splitlines())
@@ -130,7 +132,7 @@ TYPICAL = [
     ("kubelet", "OK", "{tmp}/device-plugins/kubelet.sock answers", ""),
     ("kubelet version", "OK", "v1.31.2: passes CDI names to the runtime", ""),
     ("cgroup", "OK", "v2: the runtime grants the device with an eBPF device program", ""),
-    ("runtime", "OK", "containerd 1.7.24 at {tmp}/runtime.sock", ""),
+    ("runtime", "OK", "containerd 1.7.24 at {tmp}/runtime.sock (runtime_socket in our config)", ""),
     (
         "runtime cdi",
         "FAIL",
@@ -153,7 +155,7 @@ OK    registered ate.dev/kvm  kubelet offers 4096 units of it (its pod-resources
 OK    kubelet                 {tmp}/device-plugins/kubelet.sock answers
 OK    kubelet version         v1.31.2: passes CDI names to the runtime
 OK    cgroup                  v2: the runtime grants the device with an eBPF device program
-OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock
+OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock (runtime_socket in our config)
 FAIL  runtime cdi             containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node \
 (owner and mode), so a non-root VMM gets EACCES -- set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] \
 of /etc/containerd/config.toml, restart containerd, then kubelet
@@ -348,6 +350,33 @@ class TestFailures:
         (finding,) = await examine(missing, Node(kernel=kernel))
         assert (finding.check, finding.level) == ("config", Level.FAIL)
         assert finding.message == f"cannot read {missing}: No such file or directory"
+
+
+class TestWhichRuntime:
+    async def test_kubelets_config_file_names_it(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """No runtime_socket: the running kubelet's config file (found through a fake /proc) names the
+        socket; doctor asks that runtime and says why it did."""
+        _, path = node_config(tmp_path, plugin_dir, fake_root, runtime_socket="")
+        host_node(fake_root)
+        socket = tmp_path / "k3s.sock"
+        kubelet_config = tmp_path / "kubelet.yaml"
+        kubelet_config.write_text(f"kind: KubeletConfiguration\ncontainerRuntimeEndpoint: unix://{socket}\n")
+        proc = tmp_path / "proc" / "4242"
+        proc.mkdir(parents=True)
+        (proc / "comm").write_text("kubelet\n")
+        (proc / "cmdline").write_bytes(b"/usr/bin/kubelet\0--config\0kubelet.yaml\0")
+        (proc / "cwd").symlink_to(tmp_path)
+        runtime = await FakeRuntime(socket, "containerd", "2.1.9+unknown", containerd_info(True)).start()
+        try:
+            node = Node(kernel=kernel, find_kubelet=lambda: None, proc_root=str(tmp_path / "proc"))
+            findings = await examine(path, node)
+        finally:
+            await runtime.stop()
+        where = proc / "cwd" / "kubelet.yaml"
+        want = f"containerd 2.1.9 at {socket} (containerRuntimeEndpoint in kubelet's {where} (pid 4242))"
+        assert by_check(findings)["runtime"].message == want
 
 
 class TestOutput:

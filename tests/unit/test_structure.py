@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.config",
                 "ate_devplugd.runtime_facts",
                 "ate_devplugd.cdi_rules",
+                "ate_devplugd.runtime_endpoint",
                 "ate_devplugd.remedies",
                 "ate_devplugd.toml_text",
             }
