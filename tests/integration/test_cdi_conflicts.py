@@ -159,6 +159,26 @@ class TestDaemon:
             await runtime.stop()
             await notify.close()
 
+    async def test_our_spec_refused(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Our spec changed by hand into one the library refuses: one cdi-invalid warning naming it."""
+        config = config_for(tmp_path, plugin_dir, fake_root)
+        runtime = await runtime_reading(tmp_path, Path(config.cdi_dir))
+        notify = NotifyReceiver(tmp_path / "notify")
+        ours = Path(config.cdi_dir) / "ate.dev-kvm.json"
+        try:
+            async with daemon_in_process(config, kernel, notify=notify.path) as running:
+                await notify.wait_for(lambda f: "applies CDI" in f.get("STATUS", ""))
+                ours.write_text(ours.read_text().replace('"0.3.0"', '"0.2.0"'))
+                event = await running.events.wait_for(EVENT_INVALID)
+                assert f"{ours}: the CDI library refuses it (cdiVersion '0.2.0'" in event.getMessage()
+                await notify.wait_for(lambda f: f.get("STATUS", "").endswith(f"| cdi spec refused: {ours}"))
+                assert not running.events.named(EVENT_CONFLICT)
+        finally:
+            await runtime.stop()
+            await notify.close()
+
 
 class TestDoctor:
     async def test_fails_with_the_remedy(
