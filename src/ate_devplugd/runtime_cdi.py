@@ -5,9 +5,8 @@ the answers to ``runtime_facts.decide``, which holds what each runtime does with
 answer in time, or an error is ``UNKNOWN``. ``RuntimeCheck`` is the daemon's use of it: asked at start, on
 reload, when kubelet starts and whenever the runtime's socket is created again; the socket is the one
 ``discover`` finds (ours, else kubelet's, else the usual ones: ``runtime_endpoint``), found again at
-each start. Each answer also points
-the spec check (``cdi_conflicts.SpecCheck``) at the spec directories the runtime reads (the CDI
-library's defaults where it does not say).
+each start. Each answer also points the spec check (``cdi_conflicts.SpecCheck``) at the spec
+directories the runtime reads (the CDI library's defaults where it does not say).
 """
 
 from __future__ import annotations
