@@ -236,7 +236,9 @@ class Daemon:
         starts; the check follows the runtime's own restarts by itself). It never delays anything."""
         cfg = self.config
         enabled = wanted(any(dev.cdi for dev in cfg.devices), cfg.mode)
-        self._runtime.start(socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled)
+        self._runtime.start(
+            socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled, devices=cfg.devices
+        )
 
     def _runtime_report(self, report: RuntimeReport | None) -> None:
         if report is None:
@@ -271,11 +273,8 @@ class Daemon:
     def status_line(self) -> str:
         """STATUS=: one part per resource in device-plugin mode, the driver's state in DRA mode; then what
         the runtime does with CDI names, once it has answered."""
-        line = self._mode.status_line() if self._mode is not None else "starting"
-        report = self._runtime.report
-        if report is not None:
-            line += f" | cdi: {report.describe()}"
-        return line if self._reloads.note is None else f"{line} | {self._reloads.note}"
+        parts = [self._mode.status_line() if self._mode is not None else "starting", *self._runtime.status_parts()]
+        return " | ".join(parts if self._reloads.note is None else [*parts, self._reloads.note])
 
     def _update_status(self) -> None:
         if self._ready:

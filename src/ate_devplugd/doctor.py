@@ -56,6 +56,8 @@ class Node:
     mountinfo: str = MOUNTINFO
     #: The daemon's metrics file is read for what only the daemon knows (registration).
     read_metrics: Callable[[str], str] = field(default=lambda path: Path(path).read_text(encoding="utf-8"))
+    #: Where the running kubelet is looked for (its runtime endpoint).
+    proc_root: str = "/proc"
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -73,12 +75,13 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
         ]
     source = str(config_path) if config_path else _default_source()
     findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
-    report = await runtime_cdi.ask(cfg.runtime_socket, cfg.cdi_dir, TIMEOUT)
+    endpoint = runtime_cdi.discover(cfg.runtime_socket, node.proc_root)
+    report = await runtime_cdi.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
     for dev in cfg.devices:
         findings += device_findings(cfg, dev, node.kernel, report)
     findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
     findings += await kubelet_findings(cfg, node)
-    findings += doctor_runtime.findings(cfg, report)
+    findings += doctor_runtime.findings(cfg, report, endpoint)
     if cfg.mode == "dra" and cfg.dra is not None:
         from ate_devplugd.dra import doctor as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
 
@@ -155,23 +158,60 @@ def _owner(st: os.stat_result) -> str:
     return f"{stat.S_IMODE(st.st_mode):04o} {user}:{group}"
 
 
-def access_finding(cfg: Config, dev: DeviceConfig, node: str, report: RuntimeReport) -> Finding:
-    """What the host's owner and mode mean for a VMM that is not root, with and without CDI."""
+def access_finding(  # noqa: PLR0911 - one return per verdict
+    cfg: Config, dev: DeviceConfig, node: str, report: RuntimeReport
+) -> Finding:
+    """What a container asking for the resource will get, for the runtime's verdict: the spec's owner and
+    mode (applied), the host's (not applied, or no CDI for it), no container at all (our spec directory
+    not read), or nothing that can be told (unknown)."""
     check = f"access {dev.resource}"
     try:
         st = os.stat(node)
     except OSError as exc:
         return warn(check, f"cannot stat {node}: {exc.strerror}")
     host = _owner(st)
-    if dev.cdi and report.verdict is CdiVerdict.APPLIED:
-        inside = f"{dev.container_mode:04o}" if dev.container_mode is not None else "the spec's mode"
-        return ok(check, f"host {host}; containers get {inside} through CDI, so a VMM that is not root opens it")
-    if stat.S_IMODE(st.st_mode) & 0o006 == 0o006:
-        return ok(check, f"host {host}: any user in a container opens it")
-    why = f"host {host}: a VMM that is not root (nor in the node's gid {st.st_gid}) gets EACCES"
+    open_to_all = stat.S_IMODE(st.st_mode) & 0o006 == 0o006
+    eacces = f"a VMM that is not root (nor in the node's gid {st.st_gid}) gets EACCES"
     if not dev.cdi:
-        return warn(check, f"{why}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)")
-    return warn(check, f"{why}: the runtime does not apply its CDI spec (see runtime)", "fix the runtime line below")
+        if open_to_all:
+            return ok(check, f"host {host}: any user in a container opens it")
+        return warn(
+            check, f"host {host}: {eacces}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)"
+        )
+    verdict = report.verdict
+    if verdict is CdiVerdict.APPLIED:
+        return ok(
+            check, f"host {host}; containers get {_spec_access(dev)} through CDI, so a VMM that is not root opens it"
+        )
+    if verdict is CdiVerdict.DIR_NOT_READ:
+        why = f"host {host}; no container that asks for it is created: the runtime does not read {cfg.cdi_dir}"
+        return warn(check, f"{why} (unresolvable CDI devices)", "fix the runtime line below")
+    if verdict is CdiVerdict.UNKNOWN:
+        why = "runtime not found" if not report.name else "see runtime"
+        return warn(check, f"host {host}; cannot tell what containers get ({why})", "see the runtime line below")
+    if cfg.mode == "dra":
+        return warn(
+            check,
+            f"host {host}; containers get no device: DRA hands it over through CDI only",
+            "fix the runtime line below",
+        )
+    if open_to_all:
+        return ok(check, f"host {host}: the runtime ignores the CDI spec, but any user in a container opens it")
+    return warn(
+        check,
+        f"host {host}: {eacces}: the runtime does not apply its CDI spec (see runtime)",
+        "fix the runtime line below",
+    )
+
+
+def _spec_access(dev: DeviceConfig) -> str:
+    """The node's mode and owner in a container, as the CDI spec makes them: ``0666 (owned by 1000:1000)``;
+    without uid and gid in the spec a runtime gives the node to the container's user (cdi.py)."""
+    if dev.container_uid is None and dev.container_gid is None:
+        return f"{dev.node_mode:04o} (owned by the container's user)"
+    uid = "-" if dev.container_uid is None else str(dev.container_uid)
+    gid = "-" if dev.container_gid is None else str(dev.container_gid)
+    return f"{dev.node_mode:04o} (owned by {uid}:{gid})"
 
 
 # -- kubelet, cgroups ------------------------------------------------------------------------------

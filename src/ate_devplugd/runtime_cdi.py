@@ -3,7 +3,10 @@
 ``ask`` puts kubelet's own questions to the runtime (``Version``; ``Status`` with ``verbose``) and hands
 the answers to ``runtime_facts.decide``, which holds what each runtime does with CDI names; no socket, no
 answer in time, or an error is ``UNKNOWN``. ``RuntimeCheck`` is the daemon's use of it: asked at start, on
-reload, when kubelet starts and whenever the runtime's socket is created again.
+reload, when kubelet starts and whenever the runtime's socket is created again; the socket is the one
+``discover`` finds (ours, else kubelet's, else the usual ones: ``runtime_endpoint``), found again at
+each start. Each answer also points the spec check (``cdi_conflicts.SpecCheck``) at the spec
+directories the runtime reads (the CDI library's defaults where it does not say).
 """
 
 from __future__ import annotations
@@ -16,14 +19,24 @@ import posixpath
 from collections.abc import Callable
 from typing import Any
 
+from ate_devplugd import cdi_conflicts
+from ate_devplugd.cdi_conflicts import SpecCheck
+from ate_devplugd.cdi_rules import SpecProblem
+from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.logs import EventLog
-from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport, consequence, decide
+from ate_devplugd.runtime_endpoint import (
+    DEFAULT_RUNTIME_SOCKETS,
+    KUBELET_COMM,
+    Endpoint,
+    Kubelet,
+    choose,
+    config_file,
+)
+from ate_devplugd.runtime_facts import CDI_DEFAULT_SPEC_DIRS, CdiVerdict, RuntimeReport, consequence, decide
 
 log = logging.getLogger(__name__)
 
-#: The runtimes' usual CRI sockets, asked in this order when ``runtime_socket`` is not set.
-DEFAULT_RUNTIME_SOCKETS = ("/run/containerd/containerd.sock", "/run/crio/crio.sock")
 #: The CRI version kubelet sends in VersionRequest.
 KUBELET_CRI_VERSION = "0.1.0"
 #: How long one question to the runtime may take before its answer counts as unknown.
@@ -34,11 +47,46 @@ ASK_TIMEOUT = 10.0
 SETTLE_DELAY = 0.05
 
 
+# -- which runtime ---------------------------------------------------------------------------------
+
+
+def read_kubelet(proc_root: str = "/proc") -> Kubelet | None:
+    """The running kubelet (the first process named ``kubelet``): its command line, and its config file
+    where ``--config`` names one that can be read; None where none runs."""
+    try:
+        pids = sorted(int(name) for name in os.listdir(proc_root) if name.isdigit())
+    except OSError:
+        return None
+    for pid in pids:
+        base = posixpath.join(proc_root, str(pid))
+        try:
+            with open(posixpath.join(base, "comm"), encoding="utf-8", errors="replace") as f:
+                if f.read().strip() != KUBELET_COMM:
+                    continue
+            with open(posixpath.join(base, "cmdline"), "rb") as f:
+                argv = tuple(os.fsdecode(arg) for arg in f.read().split(b"\0")[:-1])
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        path = config_file(argv, posixpath.join(base, "cwd"))
+        try:
+            with open(path, encoding="utf-8") as f:
+                text: str | None = f.read()
+        except (OSError, UnicodeDecodeError):
+            text = None
+        return Kubelet(pid, argv, path, text)
+    return None
+
+
+def discover(configured: str, proc_root: str = "/proc") -> Endpoint:
+    """The socket to ask and why (``runtime_endpoint`` holds the order)."""
+    return choose(configured, None if configured else read_kubelet(proc_root))
+
+
 # -- asking ----------------------------------------------------------------------------------------
 
 
 def find_socket(configured: str, candidates: tuple[str, ...] = DEFAULT_RUNTIME_SOCKETS) -> str | None:
-    """The runtime socket to ask: the configured one, else the first usual one that exists."""
+    """The runtime socket to ask: the named one (``discover``), else the first usual one that exists."""
     if configured:
         return configured
     return next((path for path in candidates if os.path.exists(path)), None)
@@ -97,17 +145,19 @@ class RuntimeCheck:
     runtime that is slow or absent delays nothing. Each new verdict is logged once (a warning when the
     names will not work, info otherwise) and shown in STATUS and the metrics.
 
-    The socket is followed by inotify on its directory (``DirWatcher``, on the loop): the configured
-    ``runtime_socket``'s, else the directory of each usual socket (a directory not there yet is waited for
-    from its nearest existing ancestor). The watch is installed before the first question, so no start of
-    the runtime falls between the two. When the socket the verdict came from is removed, the verdict is
-    UNKNOWN at once (a stopped runtime applies nothing); a socket created (or a directory back, or lost
-    events) asks again ``SETTLE_DELAY`` after the first event, one question for the whole burst."""
+    The socket is followed by inotify on its directory (``DirWatcher``, on the loop): the one ``discover``
+    named (``runtime_socket``, or kubelet's), else the directory of each usual socket (a directory not
+    there yet is waited for from its nearest existing ancestor). The watch is installed before the first
+    question, so no start of the runtime falls between the two. When the socket the verdict came from is
+    removed, the verdict is UNKNOWN at once (a stopped runtime applies nothing); a socket created (or a
+    directory back, or lost events) asks again ``SETTLE_DELAY`` after the first event, one question for
+    the whole burst."""
 
     def __init__(
         self,
         on_report: Callable[[RuntimeReport | None], None],
         asker: Callable[[str, str], Any] = ask,
+        proc_root: str = "/proc",
     ) -> None:
         self._on_report = on_report
         self._ask = asker
@@ -120,6 +170,10 @@ class RuntimeCheck:
         self._watched: tuple[str, ...] = ()
         self._watchers: list[DirWatcher] = []
         self._settle: asyncio.TimerHandle | None = None
+        self._devices: tuple[DeviceConfig, ...] = ()
+        self._specs = SpecCheck(self._specs_changed)
+        self._proc_root = proc_root
+        self._endpoint: Endpoint | None = None
 
     @property
     def report(self) -> RuntimeReport | None:
@@ -131,22 +185,47 @@ class RuntimeCheck:
         """The sockets whose directories are watched (empty while the check is off)."""
         return self._watched
 
-    def start(self, *, socket: str, cdi_dir: str, mode: str, enabled: bool) -> None:
-        """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew)."""
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """The runtime socket chosen at the last start, and why (None before the first)."""
+        return self._endpoint
+
+    @property
+    def spec_problems(self) -> tuple[SpecProblem, ...]:
+        """Other specs that define our names, and specs of ours that do not load, in the runtime's spec
+        directories (empty while the check is off)."""
+        return self._specs.problems
+
+    def status_parts(self) -> list[str]:
+        """What STATUS says of the runtime: its verdict once it answered, then any problem with the specs."""
+        parts = [] if self._report is None else [f"cdi: {self._report.describe()}"]
+        specs = cdi_conflicts.status(self._specs.problems)
+        return [*parts, specs] if specs else parts
+
+    def start(
+        self, *, socket: str, cdi_dir: str, mode: str, enabled: bool, devices: tuple[DeviceConfig, ...] = ()
+    ) -> None:
+        """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew);
+        ``devices``: those whose names the spec check looks for."""
         self._cancel()
         if not enabled:
             self._unwatch()
+            self._specs.close()
             self._logged = None
             self._set(None)
             return
-        self._mode, self._socket, self._cdi_dir = mode, socket, cdi_dir
-        self._watch((socket,) if socket else DEFAULT_RUNTIME_SOCKETS)
-        self._task = asyncio.get_running_loop().create_task(self._run(socket, cdi_dir), name="runtime CDI check")
+        endpoint = self._endpoint = discover(socket, self._proc_root)
+        self._mode, self._socket, self._cdi_dir, self._devices = mode, endpoint.socket, cdi_dir, devices
+        self._watch((endpoint.socket,) if endpoint.named else DEFAULT_RUNTIME_SOCKETS)
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(endpoint.socket, cdi_dir), name="runtime CDI check"
+        )
 
     async def close(self) -> None:
         task = self._task
         self._cancel()
         self._unwatch()
+        self._specs.close()
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
@@ -218,6 +297,12 @@ class RuntimeCheck:
         report: RuntimeReport = await self._ask(socket, cdi_dir)
         self._log(report)
         self._set(report)
+        self._specs.start(report.spec_dirs or CDI_DEFAULT_SPEC_DIRS, cdi_dir, self._devices)
+
+    def _specs_changed(self) -> None:
+        """The spec check found problems, or they are gone: the owner shows them (STATUS)."""
+        if self._report is not None:
+            self._on_report(self._report)
 
     def _set(self, report: RuntimeReport | None) -> None:
         if report != self._report:

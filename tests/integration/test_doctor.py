@@ -36,8 +36,7 @@ def node_config(tmp_path: Path, plugin_dir: Path, fake_root: Path, **top: str) -
     prom.parent.mkdir(exist_ok=True)
     config = dataclasses.replace(
         kvm_config(plugin_dir, fake_root, metrics_file=prom, cdi=True, container_mode=0o666),
-        runtime_socket=str(tmp_path / "runtime.sock"),
-        **top,
+        **{"runtime_socket": str(tmp_path / "runtime.sock"), **top},
     )
     path = tmp_path / "config.toml"
     path.write_text(render(config))
@@ -96,13 +95,17 @@ class TestAllRight:
             "cgroup",
             "runtime",
             "runtime cdi",
+            "cdi specs",
         ]
         assert checks["device ate.dev/kvm"].message == "/dev/kvm: character device 10:232"
         assert checks["access ate.dev/kvm"].message.startswith("host 0660 ")
-        assert "containers get 0666 through CDI" in checks["access ate.dev/kvm"].message
+        assert "containers get 0666 (owned by the container's user) through CDI" in checks["access ate.dev/kvm"].message
         assert checks["daemon"].message == f"running (pid {os.getpid()})"
         assert checks["registered ate.dev/kvm"].message == "kubelet offers 4096 units of it (its pod-resources API)"
-        assert checks["runtime"].message == f"containerd 1.7.24~ds1 at {tmp_path / 'runtime.sock'}"
+        assert (
+            checks["runtime"].message
+            == f"containerd 1.7.24~ds1 at {tmp_path / 'runtime.sock'} (runtime_socket in our config)"
+        )
         assert checks["runtime cdi"].message == f"containerd 1.7.24~ds1 applies CDI (reads {config.cdi_dir})"
         assert checks["kubelet version"].message == "v1.31.2: passes CDI names to the runtime"
         assert all(line.startswith("OK    ") for line in text.splitlines())
@@ -129,7 +132,7 @@ TYPICAL = [
     ("kubelet", "OK", "{tmp}/device-plugins/kubelet.sock answers", ""),
     ("kubelet version", "OK", "v1.31.2: passes CDI names to the runtime", ""),
     ("cgroup", "OK", "v2: the runtime grants the device with an eBPF device program", ""),
-    ("runtime", "OK", "containerd 1.7.24 at {tmp}/runtime.sock", ""),
+    ("runtime", "OK", "containerd 1.7.24 at {tmp}/runtime.sock (runtime_socket in our config)", ""),
     (
         "runtime cdi",
         "FAIL",
@@ -138,6 +141,7 @@ TYPICAL = [
         'set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] of /etc/containerd/config.toml, restart '
         "containerd, then kubelet",
     ),
+    ("cdi specs", "OK", "no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm", ""),
 ]
 TYPICAL_TEXT = """\
 OK    config                  {tmp}/config.toml: 1 device(s), device-plugin mode
@@ -151,10 +155,11 @@ OK    registered ate.dev/kvm  kubelet offers 4096 units of it (its pod-resources
 OK    kubelet                 {tmp}/device-plugins/kubelet.sock answers
 OK    kubelet version         v1.31.2: passes CDI names to the runtime
 OK    cgroup                  v2: the runtime grants the device with an eBPF device program
-OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock
+OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock (runtime_socket in our config)
 FAIL  runtime cdi             containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node \
 (owner and mode), so a non-root VMM gets EACCES -- set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] \
-of /etc/containerd/config.toml, restart containerd, then kubelet"""
+of /etc/containerd/config.toml, restart containerd, then kubelet
+OK    cdi specs               no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm"""
 
 
 class TestTypicalRun:
@@ -183,7 +188,7 @@ class TestTypicalRun:
         run = {"tmp": str(tmp_path), "pid": str(os.getpid()), "owner": owner, "gid": str(st.st_gid)}
         assert render_text(findings) == TYPICAL_TEXT.format(**run)
         checks = [{"check": c, "level": level, "message": m.format(**run), "remedy": r} for c, level, m, r in TYPICAL]
-        summary = {"OK": 10, "WARN": 1, "FAIL": 1}
+        summary = {"OK": 11, "WARN": 1, "FAIL": 1}
         assert render_json(findings) == json.dumps({"ok": False, "summary": summary, "checks": checks}, indent=2)
         assert failed(findings)
 
@@ -320,7 +325,9 @@ class TestFailures:
         assert checks["runtime cdi"].level is Level.FAIL
         assert "leaves out" in checks["runtime cdi"].message
         assert "cdi_spec_dirs" in checks["runtime cdi"].remedy
-        assert checks["access ate.dev/kvm"].level is Level.OK  # a 0666 host node needs no CDI
+        # a 0666 host node does not help: no container that asks for it is created
+        assert checks["access ate.dev/kvm"].level is Level.WARN
+        assert "unresolvable CDI devices" in checks["access ate.dev/kvm"].message
 
     async def test_a_directory_for_a_device_path(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
@@ -343,6 +350,33 @@ class TestFailures:
         (finding,) = await examine(missing, Node(kernel=kernel))
         assert (finding.check, finding.level) == ("config", Level.FAIL)
         assert finding.message == f"cannot read {missing}: No such file or directory"
+
+
+class TestWhichRuntime:
+    async def test_kubelets_config_file_names_it(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """No runtime_socket: the running kubelet's config file (found through a fake /proc) names the
+        socket; doctor asks that runtime and says why it did."""
+        _, path = node_config(tmp_path, plugin_dir, fake_root, runtime_socket="")
+        host_node(fake_root)
+        socket = tmp_path / "k3s.sock"
+        kubelet_config = tmp_path / "kubelet.yaml"
+        kubelet_config.write_text(f"kind: KubeletConfiguration\ncontainerRuntimeEndpoint: unix://{socket}\n")
+        proc = tmp_path / "proc" / "4242"
+        proc.mkdir(parents=True)
+        (proc / "comm").write_text("kubelet\n")
+        (proc / "cmdline").write_bytes(b"/usr/bin/kubelet\0--config\0kubelet.yaml\0")
+        (proc / "cwd").symlink_to(tmp_path)
+        runtime = await FakeRuntime(socket, "containerd", "2.1.9+unknown", containerd_info(True)).start()
+        try:
+            node = Node(kernel=kernel, find_kubelet=lambda: None, proc_root=str(tmp_path / "proc"))
+            findings = await examine(path, node)
+        finally:
+            await runtime.stop()
+        where = proc / "cwd" / "kubelet.yaml"
+        want = f"containerd 2.1.9 at {socket} (containerRuntimeEndpoint in kubelet's {where} (pid 4242))"
+        assert by_check(findings)["runtime"].message == want
 
 
 class TestOutput:

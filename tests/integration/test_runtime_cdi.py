@@ -6,13 +6,16 @@ answers; the daemon runs on the test's loop with the fake kernel and kubelet. No
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
 from pathlib import Path
 
 from ate_devplugd.config import Config
-from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME
+from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME, RuntimeCheck
+from ate_devplugd.runtime_endpoint import Source
+from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
 from tests.fakes.cri import FakeRuntime, containerd_info, recorded
 from tests.support import (
     FakeKernel,
@@ -296,3 +299,46 @@ class TestFollowsTheRuntime:
 
 def fmt(seconds: list[float]) -> str:
     return ", ".join(f"{1000 * s:.1f}" for s in seconds) + " ms"
+
+
+class TestKubeletsRuntime:
+    async def test_follows_the_socket_kubelet_names(self, tmp_path: Path) -> None:
+        """No runtime_socket: the socket of kubelet's --container-runtime-endpoint (found in a fake /proc),
+        not a usual one, is asked and followed through a restart."""
+        cdi = [str(tmp_path / "cdi")]
+        socket = tmp_path / "k3s" / "containerd.sock"
+        socket.parent.mkdir()
+        proc = tmp_path / "proc"
+        (proc / "77").mkdir(parents=True)
+        (proc / "77" / "comm").write_text("kubelet\n")
+        (proc / "77" / "cmdline").write_bytes(b"kubelet\0--container-runtime-endpoint=unix://%s\0" % bytes(socket))
+        (proc / "77" / "cwd").symlink_to(tmp_path)
+        runtime = await started(socket, False, cdi)
+        reports: list[RuntimeReport | None] = []
+        changed = asyncio.Event()
+
+        def on_report(report: RuntimeReport | None) -> None:
+            reports.append(report)
+            changed.set()
+
+        async def verdict(want: CdiVerdict) -> RuntimeReport:
+            async with asyncio.timeout(10):
+                while not (reports and reports[-1] is not None and reports[-1].verdict is want):
+                    changed.clear()
+                    await changed.wait()
+            report = reports[-1]
+            assert report is not None
+            return report
+
+        check = RuntimeCheck(on_report, proc_root=str(proc))
+        try:
+            check.start(socket="", cdi_dir=cdi[0], mode="device-plugin", enabled=True)
+            assert check.endpoint is not None and check.endpoint.source is Source.KUBELET_FLAG
+            assert check.watched == (str(socket),)
+            report = await verdict(CdiVerdict.NOT_APPLIED)
+            assert report.socket == str(socket)
+            runtime = await restarted(runtime, True, cdi)
+            await verdict(CdiVerdict.APPLIED)
+        finally:
+            await check.close()
+            await runtime.stop()

@@ -7,7 +7,9 @@ version 3 config and with a version 2 file; containerd 1.6.20 as it is) the daem
 give the verdict, and ``doctor`` gives it too. Then a pod is run as kubelet runs it with the daemon's
 Allocate answer (tests.runtimes.containerd: CRI CreateContainer with the Devices and CDI names, a VMM as
 uid 1000), and the verdict must predict what the container got: a guest that boots (applied), EACCES
-(not applied), or no container at all (spec directory not read).
+(not applied), or no container at all (spec directory not read). A second spec in the daemon's directory
+that defines the same name (on 1.7 and 2.1) leaves the verdict "applied" but fails the container; the
+daemon's ``cdi-conflict`` warning and ``doctor``'s ``cdi specs`` FAIL must say so.
 
 They need root, /dev/kvm and containerd; they skip without them, and fail instead where
 ``ATE_REQUIRE_CONTAINERD=1`` (``make check``).
@@ -16,6 +18,7 @@ They need root, /dev/kvm and containerd; they skip without them, and fail instea
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from ate_devplugd.cdi_conflicts import EVENT_CONFLICT
 from ate_devplugd.config import Config, render
 from ate_devplugd.doctor import Node, examine
 from ate_devplugd.findings import Level
@@ -33,7 +37,7 @@ from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME
 from ate_devplugd.runtime_facts import CdiVerdict
 from tests.fakes.kubelet import FakeKubelet
 from tests.podman import NodeStat
-from tests.runtimes.containerd import CheckerRun, Containerd, ContainerdBuild, Images, run_allocated, running
+from tests.runtimes.containerd import CheckerRun, Containerd, ContainerdBuild, Images, require, run_allocated, running
 from tests.support import (
     RESOURCE,
     KvmAllocation,
@@ -70,6 +74,9 @@ class Said:
     doctor: dict[str, Any]
     doctor_text: str
     run: CheckerRun
+    #: The daemon's cdi-conflict events, and its STATUS once the pod ran.
+    conflicts: list[logging.LogRecord] = dataclasses.field(default_factory=list)
+    last_status: str = ""
 
 
 def daemon_config(tmp_path: Path, socket: Path) -> tuple[Config, Path]:
@@ -118,12 +125,14 @@ async def observe(
                 allocation = KvmAllocation(response, Path(config.cdi_dir))
                 run = await run_allocated(rt, allocation)
                 events = running_daemon.events.named(EVENT_RUNTIME) + running_daemon.events.named(EVENT_NOT_APPLIED)
+                conflicts = running_daemon.events.named(EVENT_CONFLICT)
+                last_status = running_daemon.daemon.status_line()
         finally:
             await kubelet.stop()
             await notify.close()
     text = render_doctor(findings)
     print(status["STATUS"], *metrics, text, run.summary(), sep="\n")
-    return Said(status["STATUS"], events, metrics, {f.check: f for f in findings}, text, run)
+    return Said(status["STATUS"], events, metrics, {f.check: f for f in findings}, text, run, conflicts, last_status)
 
 
 def rt_name(status: dict[str, str]) -> str:
@@ -233,6 +242,39 @@ class TestContainerd21:
             containerd_21, cri_images, tmp_path, verdict, cdi_spec_dirs=[other], config_version=config_version
         )
         assert_said(said, verdict, f"leaves out {tmp_path / 'cdi'})", Level.FAIL)
+
+
+#: A vendor's spec that defines our name too (a valid one: the library loads it).
+CONFLICTING_SPEC = {
+    "cdiVersion": "0.6.0",
+    "kind": "ate.dev/kvm",
+    "devices": [{"name": "kvm", "containerEdits": {"deviceNodes": [{"path": "/dev/kvm"}]}}],
+}
+
+
+class TestConflictingSpec:
+    @pytest.mark.parametrize("series", ["1.7", "2.1"])
+    async def test_same_directory(self, series: str, cri_images: Images, tmp_path: Path, closed_kvm: NodeStat) -> None:
+        """A second spec in our directory that defines ate.dev/kvm=kvm: the verdict is still "applied", but
+        containerd drops the name (conflicting device) and creates no container; the daemon warns naming
+        the file and says it in STATUS, and doctor FAILs it with the remedy."""
+        build = require(series)
+        cdi = tmp_path / "cdi"  # the daemon's cdi_dir
+        cdi.mkdir()
+        other = cdi / "other.json"
+        other.write_text(json.dumps(CONFLICTING_SPEC))
+        verdict = CdiVerdict.APPLIED
+        said = await observe(build, cri_images, tmp_path, verdict, enable_cdi=True, cdi_spec_dirs=[cdi])
+        assert said.status.endswith(f"applies CDI (reads {cdi})"), said.status
+        assert said.run.failed_call == "CreateContainer", said.run.summary()
+        assert "unresolvable CDI devices ate.dev/kvm=kvm" in said.run.error, said.run.error
+        (event,) = said.conflicts
+        assert event.levelname == "WARNING"
+        assert f"{other} also defines ate.dev/kvm=kvm" in event.getMessage()
+        assert said.last_status.endswith(f"| cdi spec conflict: {other} also defines ate.dev/kvm=kvm")
+        found = said.doctor["cdi specs"]
+        assert found.level is Level.FAIL, said.doctor_text
+        assert found.remedy.startswith(f"remove {other}"), said.doctor_text
 
 
 class TestContainerd16:

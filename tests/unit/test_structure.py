@@ -50,6 +50,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.dra.kubeconfig",
                 "ate_devplugd.config",
                 "ate_devplugd.runtime_facts",
+                "ate_devplugd.cdi_rules",
+                "ate_devplugd.runtime_endpoint",
                 "ate_devplugd.remedies",
                 "ate_devplugd.toml_text",
             }
@@ -62,6 +64,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.devices",
                 "ate_devplugd.device_watch",
                 "ate_devplugd.cdi",
+                "ate_devplugd.cdi_conflicts",
                 "ate_devplugd.servicer",
                 "ate_devplugd.endpoint",
                 "ate_devplugd.lock",

@@ -1,0 +1,96 @@
+"""``doctor``'s access line: what a container asking for the resource will get, for each runtime verdict.
+
+The host's node is a file in a temp directory with the mode under test; the verdicts are built as
+``runtime_facts.decide`` builds them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from ate_devplugd.config import Config
+from ate_devplugd.device_config import DeviceConfig
+from ate_devplugd.doctor import access_finding
+from ate_devplugd.findings import Level
+from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
+
+CONTAINERD = {"socket": "/run/containerd/containerd.sock", "name": "containerd", "version": "1.7.24"}
+
+
+def node(tmp_path: Path, mode: int) -> str:
+    path = tmp_path / "kvm"
+    path.write_text("")
+    path.chmod(mode)
+    return str(path)
+
+
+def config(tmp_path: Path, mode: str = "device-plugin") -> Config:
+    return Config(plugin_dir=str(tmp_path / "dp"), cdi_dir=str(tmp_path / "cdi"), mode=mode)
+
+
+def device(**keys: object) -> DeviceConfig:
+    return dataclasses.replace(DeviceConfig("ate.dev/kvm", "/dev/kvm", cdi=True, container_mode=0o666), **keys)
+
+
+def report(verdict: CdiVerdict, reason: str = "why", **keys: str) -> RuntimeReport:
+    return RuntimeReport(verdict, reason, **({**CONTAINERD, **keys}))
+
+
+class TestEachVerdict:
+    def test_applied_the_specs_mode_and_owner(self, tmp_path: Path) -> None:
+        """Applied: the spec's mode, and its owner (the container's user when the spec names none)."""
+        found = access_finding(config(tmp_path), device(), node(tmp_path, 0o660), report(CdiVerdict.APPLIED))
+        assert found.level is Level.OK
+        assert "containers get 0666 (owned by the container's user) through CDI" in found.message
+        owned = device(container_mode=0o600, container_uid=1000, container_gid=1000)
+        found = access_finding(config(tmp_path), owned, node(tmp_path, 0o660), report(CdiVerdict.APPLIED))
+        assert "containers get 0600 (owned by 1000:1000) through CDI" in found.message
+
+    def test_not_applied_the_hosts_mode_and_owner(self, tmp_path: Path) -> None:
+        """Not applied: the host's owner and mode, EACCES for a VMM that is not root when it is closed."""
+        found = access_finding(config(tmp_path), device(), node(tmp_path, 0o660), report(CdiVerdict.NOT_APPLIED))
+        assert found.level is Level.WARN
+        assert found.message.startswith("host 0660 ")
+        assert "gets EACCES: the runtime does not apply its CDI spec" in found.message
+        found = access_finding(config(tmp_path), device(), node(tmp_path, 0o666), report(CdiVerdict.NOT_APPLIED))
+        assert found.level is Level.OK
+        assert "EACCES" not in found.message
+        assert "the runtime ignores the CDI spec, but any user in a container opens it" in found.message
+
+    def test_not_applied_in_dra_mode_no_device(self, tmp_path: Path) -> None:
+        found = access_finding(config(tmp_path, "dra"), device(), node(tmp_path, 0o666), report(CdiVerdict.NOT_APPLIED))
+        assert found.level is Level.WARN
+        assert "containers get no device" in found.message
+
+    @pytest.mark.parametrize("mode", [0o660, 0o666])
+    def test_dir_not_read_no_container(self, tmp_path: Path, mode: int) -> None:
+        """Our directory not read: no container is created, whatever the host's mode (and no EACCES)."""
+        found = access_finding(config(tmp_path), device(), node(tmp_path, mode), report(CdiVerdict.DIR_NOT_READ))
+        assert found.level is Level.WARN
+        assert f"no container that asks for it is created: the runtime does not read {tmp_path / 'cdi'}" in (
+            found.message
+        )
+        assert "unresolvable CDI devices" in found.message
+        assert "EACCES" not in found.message
+
+    def test_unknown_cannot_tell(self, tmp_path: Path) -> None:
+        """Unknown: cannot tell; "runtime not found" when no runtime answered."""
+        unknown = report(CdiVerdict.UNKNOWN, "how crun treats CDI names is not known", name="crun")
+        found = access_finding(config(tmp_path), device(), node(tmp_path, 0o660), unknown)
+        assert found.level is Level.WARN
+        assert found.message.endswith("cannot tell what containers get (see runtime)")
+        assert "EACCES" not in found.message
+        absent = RuntimeReport(CdiVerdict.UNKNOWN, "no runtime socket at /run/containerd/containerd.sock")
+        found = access_finding(config(tmp_path), device(), node(tmp_path, 0o660), absent)
+        assert found.message.endswith("cannot tell what containers get (runtime not found)")
+
+    def test_no_cdi_for_it(self, tmp_path: Path) -> None:
+        """A resource without CDI: the host's owner and mode whatever the runtime does."""
+        plain = device(cdi=False)
+        found = access_finding(config(tmp_path), plain, node(tmp_path, 0o660), report(CdiVerdict.APPLIED))
+        assert found.level is Level.WARN
+        assert "gets EACCES; no CDI for it" in found.message
+        assert os.stat(tmp_path / "kvm").st_mode & 0o777 == 0o660
