@@ -179,7 +179,7 @@ class TestDraMode:
                     async with asyncio.timeout(10):
                         assert await running.task == 73
                 (error,) = [r for r in running.events.records if r.levelno >= logging.ERROR]
-                assert str(registration) in error.getMessage() and error.exc_info is None
+                assert str(registration) in error.getMessage() and not error.exc_info
                 assert registration.is_socket()
                 assert not Path(dra.plugin_socket).exists()
 
