@@ -36,8 +36,8 @@ from ate_devplugd.notify import Notifier, watchdog_interval
 from ate_devplugd.plugins import DevicePlugins
 from ate_devplugd.reload_decision import ReloadRefused, accept, sockets_in_use
 from ate_devplugd.reload_report import ReloadReport
-from ate_devplugd.runtime_cdi import RuntimeCheck, wanted
-from ate_devplugd.runtime_facts import RuntimeReport
+from ate_devplugd.runtime_cdi import RuntimeCheck
+from ate_devplugd.runtime_facts import RuntimeReport, wanted
 from ate_devplugd.runtime_files import RuntimeFiles
 from ate_devplugd.textfile import TextfileWriter
 from ate_devplugd.unixserver import SocketInUseError

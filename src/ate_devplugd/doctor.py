@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ate_devplugd import config as configmod
-from ate_devplugd import devices, doctor_daemon, doctor_runtime, runtime_cdi, runtime_facts
+from ate_devplugd import devices, doctor_daemon, doctor_runtime, runtime_ask, runtime_facts
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.findings import Finding, Level, fail, ok, warn
@@ -75,8 +75,8 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
         ]
     source = str(config_path) if config_path else _default_source()
     findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
-    endpoint = runtime_cdi.discover(cfg.runtime_socket, node.proc_root)
-    report = await runtime_cdi.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
+    endpoint = runtime_ask.discover(cfg.runtime_socket, node.proc_root)
+    report = await runtime_ask.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
     for dev in cfg.devices:
         findings += device_findings(cfg, dev, node.kernel, report)
     findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)

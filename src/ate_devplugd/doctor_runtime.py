@@ -1,7 +1,7 @@
 """``ate-devplugd doctor``: the container runtime, and what it does with our CDI names.
 
-Findings from the runtime's answer (``runtime_cdi.ask``, asked once per run by ``doctor.examine`` on the
-socket ``runtime_cdi.discover`` chose): which runtime answers on which CRI socket, and why that one;
+Findings from the runtime's answer (``runtime_ask.ask``, asked once per run by ``doctor.examine`` on the
+socket ``runtime_ask.discover`` chose): which runtime answers on which CRI socket, and why that one;
 where any resource uses CDI, the verdict on its CDI names with what a node that gets them wrong must
 change (``cdi_remedy``); then the spec files of the directories the runtime reads: one finding per file
 that defines one of our names, or spec of ours the CDI library refuses (``cdi_conflicts``), or one OK
@@ -10,7 +10,7 @@ line.
 
 from __future__ import annotations
 
-from ate_devplugd import cdi_conflicts, remedies, runtime_cdi, runtime_facts
+from ate_devplugd import cdi_conflicts, remedies, runtime_facts
 from ate_devplugd.config import Config
 from ate_devplugd.findings import Finding, fail, ok, warn
 from ate_devplugd.runtime_endpoint import Endpoint
@@ -26,7 +26,7 @@ def findings(cfg: Config, report: RuntimeReport, endpoint: Endpoint) -> list[Fin
         runtime = warn("runtime", f"no answer ({report.reason}; {why})", remedy)
     else:
         runtime = ok("runtime", f"{report.runtime} at {report.socket} ({why})")
-    if not runtime_cdi.wanted(any(dev.cdi for dev in cfg.devices), cfg.mode):
+    if not runtime_facts.wanted(any(dev.cdi for dev in cfg.devices), cfg.mode):
         return [runtime, ok("runtime cdi", "no resource uses CDI")]
     return [runtime, verdict_finding(cfg, report), *spec_findings(cfg, report)]
 

@@ -1,12 +1,10 @@
-"""Asking the node's container runtime over CRI what it does with our CDI names, and following its socket.
+"""The daemon's check of what the node's container runtime does with our CDI names, following its socket.
 
-``ask`` puts kubelet's own questions to the runtime (``Version``; ``Status`` with ``verbose``) and hands
-the answers to ``runtime_facts.decide``, which holds what each runtime does with CDI names; no socket, no
-answer in time, or an error is ``UNKNOWN``. ``RuntimeCheck`` is the daemon's use of it: asked at start, on
-reload, when kubelet starts and whenever the runtime's socket is created again; the socket is the one
-``discover`` finds (ours, else kubelet's, else the usual ones: ``runtime_endpoint``), found again at
-each start. Each answer also points the spec check (``cdi_conflicts.SpecCheck``) at the spec
-directories the runtime reads (the CDI library's defaults where it does not say).
+``RuntimeCheck`` asks the runtime (``runtime_ask.ask``) at start, on reload, when kubelet starts and
+whenever the runtime's socket is created again; the socket is the one ``runtime_ask.discover`` finds
+(ours, else kubelet's, else the usual ones: ``runtime_endpoint``), found again at each start. Each answer
+also points the spec check (``cdi_conflicts.SpecCheck``) at the spec directories the runtime reads (the
+CDI library's defaults where it does not say).
 """
 
 from __future__ import annotations
@@ -20,122 +18,32 @@ from collections.abc import Callable
 from typing import Any
 
 from ate_devplugd import cdi_conflicts
+from ate_devplugd.backoff import Backoff
 from ate_devplugd.cdi_conflicts import SpecCheck
 from ate_devplugd.cdi_rules import SpecProblem
 from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.inotify import DirEvent, DirWatcher
 from ate_devplugd.logs import EventLog
+from ate_devplugd.runtime_ask import absent_report, ask, discover
 from ate_devplugd.runtime_endpoint import (
     DEFAULT_RUNTIME_SOCKETS,
-    KUBELET_COMM,
     Endpoint,
-    Kubelet,
-    choose,
-    config_file,
 )
-from ate_devplugd.runtime_facts import CDI_DEFAULT_SPEC_DIRS, CdiVerdict, RuntimeReport, consequence, decide
+from ate_devplugd.runtime_facts import CDI_DEFAULT_SPEC_DIRS, CdiVerdict, RuntimeReport, consequence
 
 log = logging.getLogger(__name__)
 
-#: The CRI version kubelet sends in VersionRequest.
-KUBELET_CRI_VERSION = "0.1.0"
-#: How long one question to the runtime may take before its answer counts as unknown.
-ASK_TIMEOUT = 10.0
 #: How long after the first inotify event on a runtime socket the runtime is asked: a starting containerd
 #: removes its old socket and creates the new one (and its ttrpc socket) within milliseconds, and the
 #: whole burst is one question.
 SETTLE_DELAY = 0.05
-
-
-# -- which runtime ---------------------------------------------------------------------------------
-
-
-def read_kubelet(proc_root: str = "/proc") -> Kubelet | None:
-    """The running kubelet (the first process named ``kubelet``): its command line, and its config file
-    where ``--config`` names one that can be read; None where none runs."""
-    try:
-        pids = sorted(int(name) for name in os.listdir(proc_root) if name.isdigit())
-    except OSError:
-        return None
-    for pid in pids:
-        base = posixpath.join(proc_root, str(pid))
-        try:
-            with open(posixpath.join(base, "comm"), encoding="utf-8", errors="replace") as f:
-                if f.read().strip() != KUBELET_COMM:
-                    continue
-            with open(posixpath.join(base, "cmdline"), "rb") as f:
-                argv = tuple(os.fsdecode(arg) for arg in f.read().split(b"\0")[:-1])
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        path = config_file(argv, posixpath.join(base, "cwd"))
-        try:
-            with open(path, encoding="utf-8") as f:
-                text: str | None = f.read()
-        except (OSError, UnicodeDecodeError):
-            text = None
-        return Kubelet(pid, argv, path, text)
-    return None
-
-
-def discover(configured: str, proc_root: str = "/proc") -> Endpoint:
-    """The socket to ask and why (``runtime_endpoint`` holds the order)."""
-    return choose(configured, None if configured else read_kubelet(proc_root))
-
-
-# -- asking ----------------------------------------------------------------------------------------
-
-
-def find_socket(configured: str, candidates: tuple[str, ...] = DEFAULT_RUNTIME_SOCKETS) -> str | None:
-    """The runtime socket to ask: the named one (``discover``), else the first usual one that exists."""
-    if configured:
-        return configured
-    return next((path for path in candidates if os.path.exists(path)), None)
-
-
-def absent_report(configured_socket: str) -> RuntimeReport | None:
-    """The verdict when there is no runtime socket to ask (UNKNOWN, saying where none was); None when
-    there is one."""
-    socket = find_socket(configured_socket)
-    if socket is None:
-        where = ", ".join(DEFAULT_RUNTIME_SOCKETS)
-        return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {where}")
-    if not os.path.exists(socket):
-        return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {socket}", socket=socket)
-    return None
-
-
-async def ask(configured_socket: str, cdi_dir: str, timeout: float = ASK_TIMEOUT) -> RuntimeReport:
-    """Ask the runtime (Version, then Status with verbose) and decide; never raises for its answers."""
-    import grpc  # noqa: PLC0415 - the doctor imports this module before it needs gRPC
-
-    from ate_devplugd._pb.cri.v1 import api_pb2, api_pb2_grpc  # noqa: PLC0415
-    from ate_devplugd.unixsock import unix_target  # noqa: PLC0415
-
-    absent = absent_report(configured_socket)
-    if absent is not None:
-        return absent
-    socket = find_socket(configured_socket)
-    assert socket is not None
-    async with grpc.aio.insecure_channel(unix_target(socket)) as channel:
-        stub = api_pb2_grpc.RuntimeServiceStub(channel)
-        try:
-            async with asyncio.timeout(timeout):
-                version = await stub.Version(api_pb2.VersionRequest(version=KUBELET_CRI_VERSION))
-                status = await stub.Status(api_pb2.StatusRequest(verbose=True))
-        except grpc.aio.AioRpcError as exc:
-            why = f"{socket}: {exc.code().name}: {exc.details()}"
-            return RuntimeReport(CdiVerdict.UNKNOWN, why, socket=socket)
-        except TimeoutError:
-            return RuntimeReport(CdiVerdict.UNKNOWN, f"{socket} did not answer within {timeout:g}s", socket=socket)
-    return decide(version.runtime_name, version.runtime_version, dict(status.info), cdi_dir, socket=socket)
-
-
-# -- the daemon's check ----------------------------------------------------------------------------
-
-
-def wanted(devices_use_cdi: bool, mode: str) -> bool:
-    """The check runs when a resource uses CDI, and always in DRA mode (CDI is its only path)."""
-    return devices_use_cdi or mode == "dra"
+#: A runtime whose socket is there but that answers with an error is asked again, the delays doubling
+#: from ``RETRY_FIRST`` up to ``RETRY_CAP``, for ``RETRY_FOR`` seconds: containerd creates its socket
+#: before its CRI service has initialized and answers "server is not initialized yet" until it has, and
+#: no event marks that moment. After that, only the next event asks again.
+RETRY_FIRST = 0.1
+RETRY_CAP = 5.0
+RETRY_FOR = 60.0
 
 
 class RuntimeCheck:
@@ -151,7 +59,8 @@ class RuntimeCheck:
     question, so no start of the runtime falls between the two. When the socket the verdict came from is
     removed, the verdict is UNKNOWN at once (a stopped runtime applies nothing); a socket created (or a
     directory back, or lost events) asks again ``SETTLE_DELAY`` after the first event, one question for
-    the whole burst."""
+    the whole burst. A runtime that is there but answers with an error is asked again on a doubling delay
+    for a while (``RETRY_FOR``): no event says when a starting runtime is ready to answer."""
 
     def __init__(
         self,
@@ -170,6 +79,9 @@ class RuntimeCheck:
         self._watched: tuple[str, ...] = ()
         self._watchers: list[DirWatcher] = []
         self._settle: asyncio.TimerHandle | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_until: float | None = None
+        self._backoff = Backoff(RETRY_FIRST, RETRY_CAP)
         self._devices: tuple[DeviceConfig, ...] = ()
         self._specs = SpecCheck(self._specs_changed)
         self._proc_root = proc_root
@@ -208,6 +120,7 @@ class RuntimeCheck:
         """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew);
         ``devices``: those whose names the spec check looks for."""
         self._cancel()
+        self._retry_until = None
         if not enabled:
             self._unwatch()
             self._specs.close()
@@ -230,9 +143,10 @@ class RuntimeCheck:
             await asyncio.gather(task, return_exceptions=True)
 
     def _cancel(self) -> None:
-        if self._settle is not None:
-            self._settle.cancel()
-            self._settle = None
+        for handle in (self._settle, self._retry):
+            if handle is not None:
+                handle.cancel()
+        self._settle = self._retry = None
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._task = None
@@ -298,6 +212,25 @@ class RuntimeCheck:
         self._log(report)
         self._set(report)
         self._specs.start(report.spec_dirs or CDI_DEFAULT_SPEC_DIRS, cdi_dir, self._devices)
+        self._retry_if_unanswered(report)
+
+    def _retry_if_unanswered(self, report: RuntimeReport) -> None:
+        """Ask again later while a runtime that is there gives no answer, for ``RETRY_FOR`` at most."""
+        loop = asyncio.get_running_loop()
+        if not report.unanswered:
+            self._retry_until = None
+            return
+        if self._retry_until is None:
+            self._retry_until = loop.time() + RETRY_FOR
+            self._backoff.reset()
+        if loop.time() < self._retry_until:
+            self._retry = loop.call_later(self._backoff.next(), self._asked_again)
+
+    def _asked_again(self) -> None:
+        self._retry = None
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(self._socket, self._cdi_dir), name="runtime CDI check"
+        )
 
     def _specs_changed(self) -> None:
         """The spec check found problems, or they are gone: the owner shows them (STATUS)."""

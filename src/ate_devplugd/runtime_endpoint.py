@@ -11,7 +11,7 @@ order, first match wins:
 4. the usual sockets, the first that exists: containerd's, CRI-O's, k3s/RKE2's.
 
 An endpoint is a ``unix://`` URL or a path; the scheme is stripped. This module holds the parsing and
-the choice, with no I/O; ``runtime_cdi.discover`` reads kubelet's ``/proc/<pid>/cmdline`` and its file.
+the choice, with no I/O; ``runtime_ask.discover`` reads kubelet's ``/proc/<pid>/cmdline`` and its file.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 kubelet hands a device plugin's CDI names to the runtime in ``ContainerConfig.cdi_devices``; what the
 runtime then does is its own business, and a runtime that ignores them says so nowhere. So the daemon
-asks the runtime what kubelet asks it (``runtime_cdi.ask``: ``Version``; ``Status`` with ``verbose``, whose
+asks the runtime what kubelet asks it (``runtime_ask.ask``: ``Version``; ``Status`` with ``verbose``, whose
 ``info["config"]`` is the runtime's own config as JSON) and ``decide`` draws the verdict here, with no I/O
 but a path lookup, from what each runtime's code does with that config (docs/cdi-runtimes.md has each
 fact with its file, line and tag):
@@ -69,6 +69,8 @@ class RuntimeReport:
     version: str = ""
     #: The spec directories the runtime reads, where it says.
     spec_dirs: tuple[str, ...] | None = None
+    #: Its socket is there but it gave no answer (an error or none in time): asked again, it may answer.
+    unanswered: bool = False
 
     @property
     def runtime(self) -> str:
@@ -195,6 +197,11 @@ def _crio(
         why = f"reads {cdi_dir} unless cdi_spec_dirs was changed (not reported before 1.33)"
         return report(CdiVerdict.APPLIED, why)
     return report(CdiVerdict.UNKNOWN, f"it does not report whether it reads {cdi_dir} (before 1.33)")
+
+
+def wanted(devices_use_cdi: bool, mode: str) -> bool:
+    """The check runs when a resource uses CDI, and always in DRA mode (CDI is its only path)."""
+    return devices_use_cdi or mode == "dra"
 
 
 def consequence(verdict: CdiVerdict, mode: str = "device-plugin") -> str:

@@ -60,6 +60,9 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         self.socket = socket
         self.answer = (name, version, info)
         self.hang = False
+        #: Calls answered as a starting containerd answers before its CRI service has initialized (its
+        #: socket is served already): an error ("server is not initialized yet", code UNKNOWN).
+        self.not_ready = 0
         self.calls: list[str] = []
         self._called = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -96,6 +99,9 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
     async def Version(self, request: Any, context: Any) -> Any:
         self._record("Version")
         await self._maybe_hang()
+        if self.not_ready > 0:
+            self.not_ready -= 1
+            await context.abort(grpc.StatusCode.UNKNOWN, "server is not initialized yet")
         name, version, _ = self.answer
         return api_pb2.VersionResponse(
             version="0.1.0", runtime_name=name, runtime_version=version, runtime_api_version="v1"

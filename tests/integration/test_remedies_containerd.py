@@ -4,7 +4,7 @@ verdict turns to applied and the VMM's guest boots.
 For containerd 1.7.24 (a version 2 file, and one without ``version``: version 1, whose CRI table is
 ``[plugins.cri]``) and 2.1.9 (its own version 3 file, and a version 2 file), each
 started once with CDI off and once with a ``cdi_spec_dirs`` that leaves the daemon's directory out: the
-runtime is asked as the daemon asks it (``runtime_cdi.ask``), ``remedies.cdi_remedy`` gives the remedy
+runtime is asked as the daemon asks it (``runtime_ask.ask``), ``remedies.cdi_remedy`` gives the remedy
 for its config file (read as ``doctor`` reads /etc/containerd/config.toml), the remedy's settings are
 written into the remedy's table of that file as an operator would, containerd is restarted on it, asked
 again, and given a pod with the daemon's Allocate answer. The remedy of 1.x's layout written into a
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import remedies, runtime_cdi
+from ate_devplugd import remedies, runtime_ask
 from ate_devplugd.runtime_facts import CdiVerdict
 from tests.podman import NodeStat
 from tests.runtimes.containerd import Containerd, Images, require, run_allocated
@@ -107,7 +107,7 @@ async def test_remedy_makes_it_apply(
             build, tmp_path / "containerd", images=images, config_version=config_version, **options
         )
         try:
-            report = await runtime_cdi.ask(str(rt.socket), str(cdi_dir))
+            report = await runtime_ask.ask(str(rt.socket), str(cdi_dir))
             assert report.verdict is before, report
             remedy = remedies.cdi_remedy(report, str(cdi_dir), remedies.read_config_file(str(rt.config_path)))
             print(f"containerd {build.version}, version {config_version} file: {remedy.text}")
@@ -119,7 +119,7 @@ async def test_remedy_makes_it_apply(
             for key, value in remedy.settings:
                 assert table_of(edited, remedy.table)[key] == tomllib.loads(f"v = {value}")["v"]
             rt = await restart(rt, edited)
-            after = await runtime_cdi.ask(str(rt.socket), str(cdi_dir))
+            after = await runtime_ask.ask(str(rt.socket), str(cdi_dir))
             assert after.verdict is CdiVerdict.APPLIED, after
             run = await run_allocated(rt, allocation)
         finally:
@@ -141,7 +141,7 @@ async def test_old_table_in_a_version_3_file_changes_nothing(
     )
     try:
         rt = await restart(rt, apply_remedy(rt.config_path.read_text(), old))
-        report = await runtime_cdi.ask(str(rt.socket), str(cdi_dir))
+        report = await runtime_ask.ask(str(rt.socket), str(cdi_dir))
         ignored = [line for line in rt.log().splitlines() if "Ignoring unknown key" in line]
         print(*ignored, sep="\n")
         assert any("key=enable_cdi plugin=io.containerd.grpc.v1.cri" in line for line in ignored), rt.log_tail()
@@ -149,6 +149,6 @@ async def test_old_table_in_a_version_3_file_changes_nothing(
         remedy = remedies.cdi_remedy(report, str(cdi_dir), remedies.read_config_file(str(rt.config_path)))
         assert remedy.table == remedies.CONTAINERD_V3_TABLE, remedy
         rt = await restart(rt, apply_remedy(rt.config_path.read_text(), remedy))
-        assert (await runtime_cdi.ask(str(rt.socket), str(cdi_dir))).verdict is CdiVerdict.APPLIED
+        assert (await runtime_ask.ask(str(rt.socket), str(cdi_dir))).verdict is CdiVerdict.APPLIED
     finally:
         await rt.stop()

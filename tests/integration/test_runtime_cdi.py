@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import random
 import time
 from pathlib import Path
 
@@ -268,6 +269,37 @@ class TestFollowsTheRuntime:
                 print(f"new verdict {1000 * (at - began):.1f} ms after the socket was re-created")
                 assert runtime.calls == ["Version", "Status"]
                 await old.stop()
+        finally:
+            await runtime.stop()
+            await notify.close()
+
+    async def test_runtime_not_initialized_yet(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """A runtime that serves its socket before it can answer (containerd's CRI service initializes
+        after the socket is there; no event marks that moment): unknown at first, then, with nothing else
+        happening, its verdict once it answers. How many errors it gives first is varied (seeded)."""
+        cdi = [str(plugin_dir.parent / "cdi")]
+        socket = tmp_path / "runtime.sock"
+        runtime = await started(socket, False, cdi)
+        notify = NotifyReceiver(tmp_path / "notify")
+        try:
+            async with daemon_in_process(cdi_config(plugin_dir, fake_root, tmp_path), kernel, notify=notify.path):
+                await notify.wait_for(lambda f: "ignores CDI" in f.get("STATUS", ""))
+                for errors in random.Random(7).sample(range(1, 6), 3):
+                    await stopped(runtime)
+                    await notify.wait_for(lambda f: "no runtime socket at" in f.get("STATUS", ""))
+                    runtime = FakeRuntime(socket, "containerd", "1.7.24", containerd_info(True, cdi))
+                    runtime.not_ready = errors
+                    began = time.monotonic()
+                    await runtime.start()
+                    await notify.wait_for(lambda f: "server is not initialized yet" in f.get("STATUS", ""))
+                    at, _ = await notify.wait_stamped(lambda f: "applies CDI" in f.get("STATUS", ""), timeout=60)
+                    print(f"{errors} error(s), then the verdict {1000 * (at - began):.0f} ms after the socket")
+                    assert runtime.calls.count("Version") == errors + 1, runtime.calls
+                    await stopped(runtime)
+                    runtime = await started(socket, False, cdi)
+                    await notify.wait_for(lambda f: "ignores CDI" in f.get("STATUS", ""))
         finally:
             await runtime.stop()
             await notify.close()

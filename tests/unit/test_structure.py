@@ -70,6 +70,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.lock",
                 "ate_devplugd.kubelet_watch",
                 "ate_devplugd.podresources",
+                "ate_devplugd.runtime_ask",
                 "ate_devplugd.textfile",
                 "ate_devplugd.runtime_files",
                 "ate_devplugd.udev",
