@@ -19,8 +19,10 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   ``ValidatingAdmissionPolicy '<p>' with binding '<b>' denied request: ...``); ``policy_lag = True``:
   a policy created or replaced is in force only after ``refresh_policies()`` (the apiserver's policy
   source refreshes at most once a second, while an RBAC grant works at once: contract §9);
-- ``consumable_capacity = False``: the DRAConsumableCapacity gate is off and ``allowMultipleAllocations``
-  is dropped silently (§4b);
+- ``consumable_capacity = False``: the DRAConsumableCapacity gate is off (1.34-1.35 by default) and
+  ``allowMultipleAllocations`` is dropped silently (§4b), from what is stored and from a dry-run's answer;
+- ``dryRun=All`` on a slice create: authorized, admitted and validated as a create, answered with the
+  object as it would be stored (a generated name, fields of a gate that is off dropped), nothing stored;
 - ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2); ``wipe_driver()``:
   kubelet deletes one driver's slices of the node once it stayed away for 30 s (§2);
   ``recreate_node()``: a new Node uid, and the garbage collector deletes slices owned by the old one;
@@ -158,6 +160,8 @@ class FakeApiServer:
         #: Every request, as it arrives (a test can wait for one).
         self.arrivals: asyncio.Queue[str] = asyncio.Queue()
         self.forbidden_answers = 0
+        #: Slice creates made with ``dryRun=All`` (answered as a create would be, nothing stored).
+        self.dry_runs = 0
         self._rv = itertools.count(100)
         self._history: list[tuple[int, str, str, dict[str, Any]]] = []
         self._compacted = 0
@@ -388,7 +392,8 @@ class FakeApiServer:
             return self._device_classes(path)
         if path == SLICES and method == "POST":
             body = await self._body(request)
-            return web.json_response(await self._create(body, caller, token_node), status=201)
+            dry_run = self._dry_run(request)
+            return web.json_response(await self._create(body, caller, token_node, dry_run=dry_run), status=201)
         if path == SLICES and method == "GET":
             selector = self._selector(request.query.get("fieldSelector", ""), caller)
             if request.query.get("watch") in ("1", "true"):
@@ -563,8 +568,18 @@ class FakeApiServer:
         token = bearer.removeprefix("Bearer ") if bearer else ""
         return self.bound_tokens[token][0] if token in self.bound_tokens else self.node_name
 
-    async def _create(self, body: dict[str, Any], caller: Caller, token_node: str) -> dict[str, Any]:
-        if self._creates_open is not None:
+    def _dry_run(self, request: web.Request) -> bool:
+        """``dryRun=All``: the request goes through authorization, admission and validation, and nothing
+        is stored (the only value the apiserver takes; another is 400)."""
+        values = request.query.getall("dryRun", [])
+        if any(value != "All" for value in values):
+            raise Problem(400, "BadRequest", f"Invalid dry run value: {values}")
+        if values:
+            self.dry_runs += 1
+        return bool(values)
+
+    async def _create(self, body: dict[str, Any], caller: Caller, token_node: str, *, dry_run: bool) -> dict[str, Any]:
+        if self._creates_open is not None and not dry_run:
             await self._creates_open.wait()
         obj = self._admit(body, None, caller, token_node)
         meta = obj["metadata"]
@@ -576,6 +591,8 @@ class FakeApiServer:
         if meta["name"] in self.slices:
             raise Problem(409, "AlreadyExists", f'resourceslices.resource.k8s.io "{meta["name"]}" already exists')
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp="2026-01-01T00:00:00Z")
+        if dry_run:
+            return obj
         self.slices[meta["name"]] = obj
         if self.forbid_after_create and caller is Caller.NODE:
             self._forbidden[meta["name"]] = self.forbid_after_create
