@@ -15,7 +15,8 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   bindings an administrator created here (none: 403 for everything); once a ValidatingAdmissionPolicy
   and a binding of it (Deny) are in force, its slice writes (create, update, delete) are kept to the
   node its token is bound to, as the policy of ``dra-manifests`` keeps them (the fake does not evaluate
-  CEL: a bound policy stands for that one), refused as the apiserver refuses them (422 Invalid,
+  CEL: a bound policy that matches resourceslices stands for that one; one of pods serves no purpose here,
+  as the fake serves no pods), refused as the apiserver refuses them (422 Invalid,
   ``ValidatingAdmissionPolicy '<p>' with binding '<b>' denied request: ...``); ``policy_lag = True``:
   a policy created or replaced is in force only after ``refresh_policies()`` (the apiserver's policy
   source refreshes at most once a second, while an RBAC grant works at once: contract §9);
@@ -204,17 +205,22 @@ class FakeApiServer:
         self._policies = {key: copy.deepcopy(obj) for key, obj in self.objects.items() if key[0] in kinds}
 
     def _policy_in_force(self) -> tuple[str, str] | None:
-        """(policy, binding) of a policy bound with Deny and in force, if any."""
+        """(policy, binding) of a policy of resourceslices bound with Deny and in force, if any."""
         for (kind, _, name), binding in self._policies.items():
             spec = binding.get("spec") or {}
             policy = spec.get("policyName", "")
             if (
                 kind == "ValidatingAdmissionPolicyBinding"
-                and ("ValidatingAdmissionPolicy", "", policy) in self._policies
+                and "resourceslices" in self._matched(("ValidatingAdmissionPolicy", "", policy))
                 and "Deny" in (spec.get("validationActions") or [])
             ):
                 return policy, name
         return None
+
+    def _matched(self, key: tuple[str, str, str]) -> set[str]:
+        """The resources a policy in force matches (none if it is not in force)."""
+        rules = ((self._policies.get(key) or {}).get("spec") or {}).get("matchConstraints", {}).get("resourceRules")
+        return {resource for rule in rules or [] for resource in rule.get("resources") or []}
 
     def expire_token(self, token: str) -> None:
         """The token's expiry passed: it authenticates no more."""
