@@ -15,12 +15,15 @@ It behaves as the real one does toward a node's DRA driver (sources in shared/re
   bindings an administrator created here (none: 403 for everything); once a ValidatingAdmissionPolicy
   and a binding of it (Deny) are in force, its slice writes (create, update, delete) are kept to the
   node its token is bound to, as the policy of ``dra-manifests`` keeps them (the fake does not evaluate
-  CEL: a bound policy stands for that one), refused as the apiserver refuses them (422 Invalid,
+  CEL: a bound policy that matches resourceslices stands for that one; one of pods serves no purpose here,
+  as the fake serves no pods), refused as the apiserver refuses them (422 Invalid,
   ``ValidatingAdmissionPolicy '<p>' with binding '<b>' denied request: ...``); ``policy_lag = True``:
   a policy created or replaced is in force only after ``refresh_policies()`` (the apiserver's policy
   source refreshes at most once a second, while an RBAC grant works at once: contract §9);
-- ``consumable_capacity = False``: the DRAConsumableCapacity gate is off and ``allowMultipleAllocations``
-  is dropped silently (§4b);
+- ``consumable_capacity = False``: the DRAConsumableCapacity gate is off (1.34-1.35 by default) and
+  ``allowMultipleAllocations`` is dropped silently (§4b), from what is stored and from a dry-run's answer;
+- ``dryRun=All`` on a slice create: authorized, admitted and validated as a create, answered with the
+  object as it would be stored (a generated name, fields of a gate that is off dropped), nothing stored;
 - ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2); ``wipe_driver()``:
   kubelet deletes one driver's slices of the node once it stayed away for 30 s (§2);
   ``recreate_node()``: a new Node uid, and the garbage collector deletes slices owned by the old one;
@@ -158,6 +161,8 @@ class FakeApiServer:
         #: Every request, as it arrives (a test can wait for one).
         self.arrivals: asyncio.Queue[str] = asyncio.Queue()
         self.forbidden_answers = 0
+        #: Slice creates made with ``dryRun=All`` (answered as a create would be, nothing stored).
+        self.dry_runs = 0
         self._rv = itertools.count(100)
         self._history: list[tuple[int, str, str, dict[str, Any]]] = []
         self._compacted = 0
@@ -200,17 +205,22 @@ class FakeApiServer:
         self._policies = {key: copy.deepcopy(obj) for key, obj in self.objects.items() if key[0] in kinds}
 
     def _policy_in_force(self) -> tuple[str, str] | None:
-        """(policy, binding) of a policy bound with Deny and in force, if any."""
+        """(policy, binding) of a policy of resourceslices bound with Deny and in force, if any."""
         for (kind, _, name), binding in self._policies.items():
             spec = binding.get("spec") or {}
             policy = spec.get("policyName", "")
             if (
                 kind == "ValidatingAdmissionPolicyBinding"
-                and ("ValidatingAdmissionPolicy", "", policy) in self._policies
+                and "resourceslices" in self._matched(("ValidatingAdmissionPolicy", "", policy))
                 and "Deny" in (spec.get("validationActions") or [])
             ):
                 return policy, name
         return None
+
+    def _matched(self, key: tuple[str, str, str]) -> set[str]:
+        """The resources a policy in force matches (none if it is not in force)."""
+        rules = ((self._policies.get(key) or {}).get("spec") or {}).get("matchConstraints", {}).get("resourceRules")
+        return {resource for rule in rules or [] for resource in rule.get("resources") or []}
 
     def expire_token(self, token: str) -> None:
         """The token's expiry passed: it authenticates no more."""
@@ -388,7 +398,8 @@ class FakeApiServer:
             return self._device_classes(path)
         if path == SLICES and method == "POST":
             body = await self._body(request)
-            return web.json_response(await self._create(body, caller, token_node), status=201)
+            dry_run = self._dry_run(request)
+            return web.json_response(await self._create(body, caller, token_node, dry_run=dry_run), status=201)
         if path == SLICES and method == "GET":
             selector = self._selector(request.query.get("fieldSelector", ""), caller)
             if request.query.get("watch") in ("1", "true"):
@@ -563,8 +574,18 @@ class FakeApiServer:
         token = bearer.removeprefix("Bearer ") if bearer else ""
         return self.bound_tokens[token][0] if token in self.bound_tokens else self.node_name
 
-    async def _create(self, body: dict[str, Any], caller: Caller, token_node: str) -> dict[str, Any]:
-        if self._creates_open is not None:
+    def _dry_run(self, request: web.Request) -> bool:
+        """``dryRun=All``: the request goes through authorization, admission and validation, and nothing
+        is stored (the only value the apiserver takes; another is 400)."""
+        values = request.query.getall("dryRun", [])
+        if any(value != "All" for value in values):
+            raise Problem(400, "BadRequest", f"Invalid dry run value: {values}")
+        if values:
+            self.dry_runs += 1
+        return bool(values)
+
+    async def _create(self, body: dict[str, Any], caller: Caller, token_node: str, *, dry_run: bool) -> dict[str, Any]:
+        if self._creates_open is not None and not dry_run:
             await self._creates_open.wait()
         obj = self._admit(body, None, caller, token_node)
         meta = obj["metadata"]
@@ -576,6 +597,8 @@ class FakeApiServer:
         if meta["name"] in self.slices:
             raise Problem(409, "AlreadyExists", f'resourceslices.resource.k8s.io "{meta["name"]}" already exists')
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp="2026-01-01T00:00:00Z")
+        if dry_run:
+            return obj
         self.slices[meta["name"]] = obj
         if self.forbid_after_create and caller is Caller.NODE:
             self._forbidden[meta["name"]] = self.forbid_after_create

@@ -20,7 +20,7 @@ import yaml
 
 from ate_devplugd.config import Config
 from ate_devplugd.dra import kubeconfig, manifests
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.dra.driver import DraDriver, DraStatus
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.slices import SliceState
@@ -148,11 +148,14 @@ async def rig(
     api_options: dict[str, Any] | None = None,
     backoff: tuple[float, float] = (0.01, 0.2),
     credentials: str = "node",
+    sharing: Layout | None = Layout.UNITS,
     **dra: Any,
 ) -> AsyncIterator[Rig]:
     """``credentials``: ``node`` (kubelet's, a static token here) or ``service-account`` (what
     ``dra-manifests`` prints, applied by an administrator, and a token bound to the Node in a file the
-    kubeconfig names, as the README's renewal recipe writes it)."""
+    kubeconfig names, as the README's renewal recipe writes it). ``sharing``: units unless told (None:
+    the layout follows the fake API server, which keeps ``allowMultipleAllocations`` unless
+    ``consumable_capacity`` is False)."""
     async with short_dir() as base:
         api = FakeApiServer(NODE, token=TOKEN)
         for key, value in (api_options or {}).items():
@@ -166,7 +169,9 @@ async def rig(
             token_file = base / "token"
             write_token(token_file, api.mint_token())
         kc = write_kubeconfig(base / "kubeconfig", api.url, token_file=token_file and str(token_file))
-        config = DraConfig(node_name=NODE, kubeconfig=str(kc), kubelet_dir=str(base / "kubelet"), **dra)
+        config = DraConfig(
+            node_name=NODE, kubeconfig=str(kc), kubelet_dir=str(base / "kubelet"), sharing=sharing, **dra
+        )
         statuses: asyncio.Queue[DraStatus] = asyncio.Queue()
         driver = DraDriver(
             config, resources, load_credentials=load_credentials, backoff=backoff, on_status=statuses.put_nowait
@@ -222,6 +227,7 @@ async def dra_node(
     wiping_delay: float = WIPING_DELAY,
     kubelet_process: bool = False,
     hold_health: bool = False,
+    sharing: Layout | None = Layout.UNITS,
 ) -> AsyncIterator[DraNode]:
     """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher (which
     wipes the driver's slices ``wiping_delay`` seconds after it deregistered, unless it came back). With
@@ -231,7 +237,7 @@ async def dra_node(
         api = FakeApiServer(NODE, token=TOKEN)
         await api.start()
         kubeconfig = write_kubeconfig(base / "kubeconfig", api.url)
-        dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig), kubelet_dir=str(base / "kubelet"))
+        dra = DraConfig(node_name=NODE, kubeconfig=str(kubeconfig), kubelet_dir=str(base / "kubelet"), sharing=sharing)
         plugin_dir = base / "device-plugins"
         plugin_dir.mkdir()
         config = dataclasses.replace(

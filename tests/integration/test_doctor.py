@@ -20,7 +20,7 @@ from ate_devplugd.config import Config, render
 from ate_devplugd.device_config import DeviceConfig
 from ate_devplugd.doctor import Node, examine
 from ate_devplugd.dra import manifests
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.dra.pools import DraResource, build_pools, slice_spec
 from ate_devplugd.findings import Finding, Level, failed, render_json
 from ate_devplugd.findings import render as render_text
@@ -416,22 +416,25 @@ SA_TOKEN = "s3rvice-account-t0ken"
 API_CHECKS = ("apiserver", "deviceclass", "slice")
 
 
-def dra_node(tmp_path: Path, fake_root: Path, url: str, token: str) -> tuple[Path, DraConfig]:
+def dra_node(
+    tmp_path: Path, fake_root: Path, url: str, token: str, sharing: Layout | None = Layout.UNITS
+) -> tuple[Path, DraConfig]:
     """A DRA-mode config file whose kubeconfig carries ``token``, and its [dra] table (kubelet's directory
-    is never made: its name only has to leave socket paths short enough)."""
+    is never made: its name only has to leave socket paths short enough); ``sharing`` as given (None: not set)."""
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, token=token)
     path = tmp_path / "config.toml"
     path.write_text(
         f'mode = "dra"\ndev_root = "{fake_root}"\ncdi_dir = "{tmp_path / "cdi"}"\nmetrics_file = ""\n'
         f'runtime_socket = "{tmp_path / "runtime.sock"}"\nplugin_dir = "{tmp_path / "dp"}"\n'
         f'[dra]\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\nkubelet_dir = "/nonexistent/kubelet"\n'
+        + (f'sharing = "{sharing}"\n' if sharing is not None else "")
     )
-    return path, DraConfig(node_name=NODE, kubeconfig=str(kubeconfig))
+    return path, DraConfig(node_name=NODE, kubeconfig=str(kubeconfig), sharing=sharing)
 
 
-def publish(api: FakeApiServer, dra: DraConfig) -> None:
-    """This node's slice of ate.dev/kvm, as the daemon publishes it."""
-    pool = build_pools(dra, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")])[0][0]
+def publish(api: FakeApiServer, dra: DraConfig, layout: Layout | None = None) -> None:
+    """This node's slice of ate.dev/kvm, as the daemon publishes it (in ``layout``: by default the configured)."""
+    pool = build_pools(dra, [DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")], layout)[0][0]
     api.slices["s1"] = {"metadata": {"name": "s1"}, "spec": slice_spec(dra, pool, 1, present=True)}
 
 
@@ -499,6 +502,39 @@ class TestDraMode:
             assert checks["deviceclass"].level is Level.WARN
             assert 'User "system:serviceaccount:ate-devplugd:ate-devplugd" cannot list' in checks["deviceclass"].message
             assert checks["slice ate.dev/kvm"].level is Level.OK
+        finally:
+            await api.stop()
+
+    async def test_layout(self, tmp_path: Path, fake_root: Path, kernel: FakeKernel) -> None:
+        """The layout is said (set in config, or decided from the API server's answer to a dry-run create),
+        and a published slice of the other layout is a WARN saying what to do."""
+        api = FakeApiServer(NODE, token=TOKEN)
+        await api.start()
+        try:
+            node = Node(kernel=kernel, find_kubelet=lambda: None)
+            path, dra = dra_node(tmp_path, fake_root, api.url, TOKEN, sharing=None)
+            publish(api, dra, Layout.UNITS)  # a daemon that started while the gate was off
+            findings = {f.check: f for f in await examine(path, node)}
+            assert findings["layout"].level is Level.OK
+            assert findings["layout"].message == "shared (decided: the API server keeps allowMultipleAllocations)"
+            stale = [f for f in findings.values() if f.check == "slice ate.dev/kvm" and f.level is Level.WARN]
+            assert len(stale) == 1 and "128 exclusive device(s), not the layout shared" in stale[0].message
+            assert stale[0].remedy.startswith("systemctl restart ate-devplugd")
+
+            api.consumable_capacity = False
+            findings = {f.check: f for f in await examine(path, node)}
+            assert findings["layout"].message.startswith(
+                "units (decided: the API server drops allowMultipleAllocations"
+            )
+            assert findings["slice ate.dev/kvm"].level is Level.OK
+
+            path, dra = dra_node(tmp_path, fake_root, api.url, TOKEN, sharing=Layout.SHARED)
+            publish(api, dra)
+            api.slices["s1"]["spec"]["devices"][0].pop("allowMultipleAllocations")  # as the API server stored it
+            levels = [(f.check, f.level) for f in await examine(path, node) if f.check.startswith(("layout", "slice"))]
+            assert levels == [("layout", Level.OK), ("slice ate.dev/kvm", Level.OK), ("slice ate.dev/kvm", Level.WARN)]
+            findings = [f for f in await examine(path, node) if f.level is Level.WARN and f.check.startswith("slice")]
+            assert "DRAConsumableCapacity" in findings[0].remedy and api.dry_runs == 2
         finally:
             await api.stop()
 

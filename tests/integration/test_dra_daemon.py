@@ -47,7 +47,9 @@ class TestDraMode:
                 assert (await node.kubelet.next_event("registered")).name == DRIVER
                 status = await node.status("registered with kubelet, slice published")
                 # the runtime's CDI verdict follows as its own part once the runtime (absent here) was asked
-                assert status.split(" | cdi: ")[0] == "dra: registered with kubelet, slice published (128 devices)"
+                assert status.split(" | cdi: ")[0] == (
+                    "dra: registered with kubelet, slice published (128 devices), layout units (sharing set in config)"
+                )
                 (published,) = node.api.node_slices()
                 assert published["spec"]["driver"] == DRIVER and len(published["spec"]["devices"]) == 128
                 claim = node.claim("vm-1")
@@ -221,27 +223,43 @@ async def probe(config: Config, directory: Path) -> tuple[int, list[str]]:
 class TestProbe:
     async def test_what_the_node_serves(self, fake_root: Path, kernel: FakeKernel) -> None:
         """probe in DRA mode: GetInfo of the registration socket, the plugin socket answering with the
-        devices' health, and the node's slice of the driver."""
-        async with dra_node(kernel, fake_root) as node:
+        devices' health (both layouts' devices, where the layout follows the cluster), the node's slice of
+        the driver, and the layout the API server's answer decides (here: shared)."""
+        async with dra_node(kernel, fake_root, sharing=None) as node:
             await node.kubelet.next_event("registered")
-            await node.status("slice published (128 devices)")
+            await node.status("slice published (1 device), layout shared")
             status, lines = await probe(node.config, node.dir)
             (published,) = node.api.node_slices()
         dra = node.config.dra
         assert dra is not None
         assert status == 0, lines
         assert lines[0].split() == ["CHECK", "WHERE", "RESULT"]
-        registration, plugin, slices = (line.split(None, 2) for line in lines[1:4])
+        registration, plugin, slices, layout = (line.split(None, 2) for line in lines[1:5])
         assert registration == [
             "registration",
             dra.registration_socket,
             f"GetInfo: DRAPlugin {DRIVER}, v1.DRAPlugin v1beta1.DRAPlugin, endpoint {dra.plugin_socket}",
         ]
-        assert plugin == ["plugin", dra.plugin_socket, "DRAPlugin v1 answers; health: 128/128 devices healthy"]
+        assert plugin == ["plugin", dra.plugin_socket, "DRAPlugin v1 answers; health: 129/129 devices healthy"]
         assert slices == ["slices", node.api.url, f"1 ResourceSlice of {DRIVER} on node {NODE}"]
-        assert lines[4] == ""
-        assert lines[5].split() == ["SLICE", "POOL", "GENERATION", "DEVICES"]
-        assert lines[6].split() == [published["metadata"]["name"], f"{NODE}/ate.dev/kvm", "1", "128"]
+        assert layout == [
+            "layout",
+            node.api.url,
+            "shared (decided: the API server keeps allowMultipleAllocations)",
+        ]
+        assert lines[5] == ""
+        assert lines[6].split() == ["SLICE", "POOL", "GENERATION", "DEVICES", "LAYOUT"]
+        assert lines[7].split() == [published["metadata"]["name"], f"{NODE}/ate.dev/kvm", "1", "1", "shared"]
+
+    async def test_units_said_as_set(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """With ``sharing = "units"`` probe says so, and asks the API server nothing about it."""
+        async with dra_node(kernel, fake_root) as node:
+            await node.status("slice published (128 devices), layout units (sharing set in config)")
+            status, lines = await probe(node.config, node.dir)
+            dry_runs = node.api.dry_runs
+        assert status == 0, lines
+        assert lines[4].split(None, 2)[2] == "units (sharing set in config)" and dry_runs == 0
+        assert lines[7].split()[3:] == ["128", "units"]
 
     async def test_nothing_served(self, fake_root: Path) -> None:
         """No daemon and no API server: each check says what failed, and probe exits 1."""

@@ -264,3 +264,68 @@ class TestInstallWithoutAWindow:
         assert policy + grant == whole
         assert {d["kind"] for d in grant} == {"ClusterRole", "ClusterRoleBinding"}
         assert not {d["kind"] for d in policy} & {"ClusterRole", "ClusterRoleBinding"}
+
+
+class TestRefuseMulti:
+    """``refuse_multi``: a pod policy for clusters whose nodes all have the shared layout. The fake API server
+    does not evaluate CEL (nor serve pods): what is tested here is that the objects are ones the apiserver
+    takes (names, fields, order), what the policy matches and how it fails, not the expression's verdicts."""
+
+    def test_the_policy(self) -> None:
+        """Pod creates only; failurePolicy Ignore (an expression that cannot be evaluated never blocks a pod);
+        one validation per resource over containers and init containers, limits and requests; bound with Deny."""
+        docs = documents(manifests.render(CONFIG, RESOURCES, with_access=False, refuse_multi=True))
+        assert [d["kind"] for d in docs] == [
+            *["DeviceClass"] * len(RESOURCES),
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+        ]
+        policy, binding = docs[-2:]
+        spec = policy["spec"]
+        assert spec["failurePolicy"] == "Ignore"
+        assert spec["matchConstraints"] == {
+            "resourceRules": [
+                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+            ]
+        }
+        assert spec["variables"] == [
+            {"name": "containers", "expression": "object.spec.containers + object.spec.?initContainers.orValue([])"}
+        ]
+        assert len(spec["validations"]) == len(RESOURCES)
+        for resource, validation in zip(RESOURCES, spec["validations"], strict=True):
+            expression = validation["expression"]
+            assert expression.startswith("variables.containers.all(c, ")
+            assert (
+                "c.?resources.?limits.orValue({})" in expression and "c.?resources.?requests.orValue({})" in expression
+            )
+            assert f"quantity(m['{resource}']).compareTo(quantity('1')) <= 0" in expression
+            assert expression.count("(") == expression.count(")") and expression.count("[") == expression.count("]")
+            assert validation["message"].startswith(f"{resource}: at most 1 per container")
+        assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+        assert binding["metadata"]["name"] == policy["metadata"]["name"] == "ate-devplugd-one-each.kvm.ate.dev"
+
+    def test_only_when_asked_and_never_with_the_grant(self) -> None:
+        """Without the flag nothing changes; with it, the pod policy goes with the DeviceClasses, into stage 1."""
+        plain = documents(manifests.render(CONFIG, RESOURCES))
+        assert all(d["metadata"]["name"] != manifests.refuse_multi_name(CONFIG) for d in plain)
+        policy = documents(manifests.render(CONFIG, RESOURCES, stage="policy", refuse_multi=True))
+        grant = documents(manifests.render(CONFIG, RESOURCES, stage="grant", refuse_multi=True))
+        assert policy + grant == documents(manifests.render(CONFIG, RESOURCES, refuse_multi=True))
+        assert sum(d["metadata"]["name"] == manifests.refuse_multi_name(CONFIG) for d in policy) == 2
+
+    async def test_applies_and_leaves_the_slice_policy_alone(self) -> None:
+        """Applied beside the slice policy (validated as the apiserver would), the pod policy is no slice
+        policy: before the slice policy is in force, nothing confines the grant; after, the slice policy does."""
+        async with api_server() as api:
+            api.policy_lag = True
+            api.add_node("node-2")
+            token = api.mint_token("node-1")
+            pods_only = documents(manifests.render(CONFIG, RESOURCES, with_access=False, refuse_multi=True))
+            assert await apply(api.url, ADMIN, pods_only) == []
+            api.refresh_policies()
+            whole = documents(manifests.render(CONFIG, RESOURCES, refuse_multi=True))
+            assert await apply(api.url, ADMIN, whole) == []
+            assert (await write_slice(api.url, token, "node-2"))[0] == 201  # the pod policy confines no slice
+            api.refresh_policies()
+            code, message = await write_slice(api.url, token, "node-2")
+            assert code == 422 and "ValidatingAdmissionPolicy 'ate-devplugd.kvm.ate.dev'" in message

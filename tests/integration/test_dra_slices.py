@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd.dra import kubeconfig, reconnect, slice_plan
+from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.driver import DraDriver, DraStatus
 from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.slices import SliceState
@@ -26,7 +27,7 @@ class TestPublish:
         vhost = DraResource("ate.dev/vhost-net", "ate.dev/vhost-net=vhost-net", units=4)
         async with rig(resources=(KVM, vhost)) as r:
             status = await r.status(lambda s: s.slices is SliceState.PUBLISHED and s.devices == 132)
-            assert str(status).endswith("slice published (132 devices)")
+            assert str(status).endswith("slice published (132 devices), layout units (sharing set in config)")
             slices = {s["spec"]["pool"]["name"]: s for s in r.api.node_slices()}
             assert set(slices) == {POOL, f"{NODE}/ate.dev/vhost-net"}
             kvm = slices[POOL]
@@ -224,7 +225,7 @@ class TestHealth:
             _, obj = await r.api.next_change("MODIFIED")
             assert obj["spec"]["devices"] == [] and obj["spec"]["pool"]["generation"] == 2
             status = await r.status(lambda s: s.devices == 0 and s.slices is SliceState.PUBLISHED)
-            assert str(status).endswith("slice published (no device present)")
+            assert "slice published (no device present)," in str(status)
             r.driver.set_health("ate.dev/kvm", True)
             _, obj = await r.api.next_change("MODIFIED")
             assert len(obj["spec"]["devices"]) == 128 and obj["spec"]["pool"]["generation"] == 3
@@ -254,7 +255,7 @@ class TestHealth:
 class TestSharing:
     async def test_shared_device(self) -> None:
         """sharing = "shared" publishes one device that allows multiple allocations, and prepare echoes the share ID."""
-        async with rig(sharing="shared") as r:
+        async with rig(sharing=Layout.SHARED) as r:
             _, obj = await r.api.next_change("ADDED")
             assert obj["spec"]["devices"] == [
                 {"name": "kvm", "attributes": {"resource": {"string": "ate.dev/kvm"}}, "allowMultipleAllocations": True}
@@ -271,7 +272,7 @@ class TestSharing:
 
     async def test_gate_off_detected(self) -> None:
         """An apiserver without DRAConsumableCapacity drops the field: one error names the gate, no write loop."""
-        async with rig(sharing="shared", api_options={"consumable_capacity": False}) as r:
+        async with rig(sharing=Layout.SHARED, api_options={"consumable_capacity": False}) as r:
             _, obj = await r.api.next_change("ADDED")
             assert "allowMultipleAllocations" not in obj["spec"]["devices"][0]
             status = await r.status(lambda s: s.sharing_dropped and s.slices is SliceState.PUBLISHED)

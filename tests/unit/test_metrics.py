@@ -26,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd import __version__, atomicfile, config
+from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.metrics import ClaimProblem, DraMetrics
 from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
 from ate_devplugd.promtext import Family, MetricType, exposition
@@ -314,7 +315,7 @@ class TestExposition:
         metrics = Metrics()
         metrics.add_resource(KVM)
         metrics.set_runtime_cdi(CdiVerdict.NOT_APPLIED, "containerd 1.7.24")
-        dra = DraMetrics("kvm.ate.dev", "units", (KVM,), shared=metrics)
+        dra = DraMetrics("kvm.ate.dev", Layout.UNITS, (KVM,), shared=metrics)
         metrics.add_source(dra)
         for seconds in (0.001, 0.03, 0.03, 2.0, 60.0):
             dra.prepare_call(seconds)

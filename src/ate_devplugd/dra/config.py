@@ -6,6 +6,7 @@ names the key and the bad value, and all errors are returned together.
 
 from __future__ import annotations
 
+import enum
 import posixpath
 import socket
 from collections.abc import Callable, Mapping
@@ -17,7 +18,6 @@ from ate_devplugd.toml_text import toml_str, toml_value
 from ate_devplugd.unixsock import staging_path
 
 MODES = ("device-plugin", "dra")
-SHARING = ("units", "shared")
 DEFAULT_DRIVER = "kvm.ate.dev"
 DEFAULT_KUBECONFIG = "/etc/kubernetes/kubelet.conf"
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
@@ -28,6 +28,18 @@ DEFAULT_DEVICES = 128
 MAX_SOCKET_PATH = 107
 
 
+class Layout(enum.StrEnum):
+    """How a resource is laid out in its ResourceSlice (the ``sharing`` key's values)."""
+
+    #: ``devices`` devices (``kvm-0`` ...), one per claim: from Kubernetes 1.34, and a pod may ask for 2.
+    UNITS = "units"
+    #: One device with ``allowMultipleAllocations``, shared by every claim (DRAConsumableCapacity).
+    SHARED = "shared"
+
+
+SHARING = tuple(layout.value for layout in Layout)
+
+
 @dataclass(frozen=True)
 class DraConfig:
     """What DRA mode needs beyond the device list."""
@@ -36,7 +48,8 @@ class DraConfig:
     driver: str = DEFAULT_DRIVER
     kubeconfig: str = DEFAULT_KUBECONFIG
     kubelet_dir: str = DEFAULT_KUBELET_DIR
-    sharing: str = "units"
+    #: None: not set, the layout follows what the API server keeps (``layout.py`` decides it).
+    sharing: Layout | None = None
     devices: int = DEFAULT_DEVICES
 
     @property
@@ -98,17 +111,14 @@ def from_mapping(
     kubeconfig = _abs_path("dra.kubeconfig", data.get("kubeconfig", DEFAULT_KUBECONFIG), errors)
     kubelet_dir = _abs_path("dra.kubelet_dir", data.get("kubelet_dir", DEFAULT_KUBELET_DIR), errors)
 
-    sharing = data.get("sharing", "units")
-    if sharing not in SHARING:
-        errors.append(f"dra.sharing: must be one of {', '.join(SHARING)}, not {toml_value(sharing)}")
-        sharing = "units"
+    sharing = _sharing(data, errors)
     devices = data.get("devices", DEFAULT_DEVICES)
     if not isinstance(devices, int) or isinstance(devices, bool) or not 1 <= devices <= MAX_DEVICES:
         errors.append(
             f"dra.devices: {toml_value(devices)} must be an integer from 1 to {MAX_DEVICES} (one ResourceSlice)"
         )
         devices = DEFAULT_DEVICES
-    elif sharing == "shared" and "devices" in data:
+    elif sharing is Layout.SHARED and "devices" in data:
         errors.append(f'dra.devices: {toml_value(devices)} applies only to sharing = "units" ("shared" has one device)')
 
     config = DraConfig(
@@ -131,6 +141,16 @@ def from_mapping(
     return config, errors
 
 
+def _sharing(data: Mapping[str, Any], errors: list[str]) -> Layout | None:
+    """The ``sharing`` key: a layout, or None where it is not set (the layout follows the cluster)."""
+    if "sharing" not in data:
+        return None
+    if data["sharing"] in SHARING:
+        return Layout(data["sharing"])
+    errors.append(f"dra.sharing: must be one of {', '.join(SHARING)}, not {toml_value(data['sharing'])}")
+    return None
+
+
 def _abs_path(key: str, value: object, errors: list[str]) -> str:
     if isinstance(value, str) and value.startswith("/") and "\0" not in value:
         return posixpath.normpath(value)
@@ -146,16 +166,25 @@ def render(config: DraConfig) -> str:
         f'node_name = "{config.node_name}"',
         f"kubeconfig = {toml_str(config.kubeconfig)}",
         f"kubelet_dir = {toml_str(config.kubelet_dir)}",
-        f'sharing = "{config.sharing}"',
     ]
-    if config.sharing == "units":
-        lines.append(f"devices = {config.devices}")
+    if config.sharing is None:
+        lines += FOLLOWS_CLUSTER
     else:
+        lines.append(f'sharing = "{config.sharing}"')
+    if config.sharing is not Layout.SHARED:
+        lines.append(f"devices = {config.devices}")
+    if config.sharing is not Layout.UNITS:
         lines += SHARED_LIMITATION
     return "\n".join(lines) + "\n"
 
 
-#: What ``check-config`` says of ``sharing = "shared"``: a request for 2 units has no answer there.
+#: What ``check-config`` says where ``sharing`` is not set: the layout is decided at start.
+FOLLOWS_CLUSTER = (
+    "# sharing: not set, so the layout follows the cluster, decided at each start: shared where the API",
+    "# server keeps allowMultipleAllocations (DRAConsumableCapacity, on from Kubernetes 1.36), units where",
+    "# it drops it (1.34-1.35); STATUS, probe and doctor say which it is",
+)
+#: What ``check-config`` says of a shared layout: a request for 2 units has no answer there.
 SHARED_LIMITATION = (
     "# shared: one device per resource, which the scheduler never allocates twice in one request: a pod",
     "# asking for 2 or more (e.g. ate.dev/kvm: 2) stays Pending for ever; ask for 1 (one /dev/kvm serves",

@@ -9,6 +9,11 @@ kubelet's own credentials may not read DeviceClasses (neither the Node authorize
 binding grants a node that); the service account of ``dra-manifests`` may. With kubelet's, the
 DeviceClass check is one WARN that says so and gives the command an administrator runs instead.
 
+The layout the slices should have (``layout.decide``: ``sharing`` as set, or what the API server's
+answer to a dry-run create allows) is said, and a published slice of the other layout is a WARN: a
+daemon that decided before the cluster's gate changed (it decides at start), or a shared device the API
+server made exclusive.
+
 Credentials the API server does not accept (401) are a FAIL that says what to do: a token expired, or
 bound to a Node that was deleted or created again, is replaced by a new one (the README's recipe); a
 client certificate that expired points at kubelet's certificate rotation.
@@ -20,9 +25,9 @@ import asyncio
 from typing import Any
 
 from ate_devplugd.config import Config
-from ate_devplugd.dra import kubeconfig
+from ate_devplugd.dra import kubeconfig, layout, pools
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiErrorKind, ApiUnavailable
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.dra.pools import pool_name
 from ate_devplugd.findings import Finding, fail, ok, warn
 
@@ -78,6 +83,10 @@ async def _examine(client: ApiClient, cfg: Config, dra: DraConfig) -> list[Findi
         classes = None
         out.append(warn("deviceclass", f"cannot list DeviceClasses: {exc}", f"an administrator runs: {LIST_CLASSES}"))
     by_pool = {obj.get("spec", {}).get("pool", {}).get("name"): obj for obj in slices.get("items") or []}
+    choice = None
+    if cfg.devices:
+        choice, finding = await _layout(client, dra, cfg.devices[0].resource)
+        out.append(finding)
     for dev in cfg.devices:
         if classes is not None:
             out.append(_device_class(classes, dev.resource, dra))
@@ -92,6 +101,8 @@ async def _examine(client: ApiClient, cfg: Config, dra: DraConfig) -> list[Findi
         name = obj.get("metadata", {}).get("name", "?")
         if count:
             out.append(ok(check, f"{name} published with {count} device(s)"))
+            if choice is not None:
+                out.extend(_published_layout(check, name, obj, choice))
         else:
             out.append(fail(check, f"{name} holds no device (the device is absent)", "see the device line"))
     return out
@@ -136,3 +147,25 @@ def _device_class(classes: dict[str, Any], resource: str, dra: DraConfig) -> Fin
                 return fail(check, f"{name} names {resource} but does not select driver {dra.driver}", APPLY)
             return ok(check, f"{name} has extendedResourceName {resource}")
     return fail(check, f"no DeviceClass has extendedResourceName {resource}", APPLY)
+
+
+async def _layout(client: ApiClient, dra: DraConfig, resource: str) -> tuple[layout.LayoutChoice | None, Finding]:
+    try:
+        choice = await layout.decide(client, dra, layout.trial_pool(dra, resource))
+    except (ApiError, ApiUnavailable) as exc:
+        return None, warn("layout", f"cannot ask the API server which layout it keeps: {exc}")
+    return choice, ok("layout", str(choice))
+
+
+def _published_layout(check: str, name: str, obj: dict[str, Any], choice: layout.LayoutChoice) -> list[Finding]:
+    """A WARN when the published slice has not the layout chosen now."""
+    devices = obj.get("spec", {}).get("devices") or []
+    shared = any(d.get("allowMultipleAllocations") for d in devices)
+    if shared == (choice.layout is Layout.SHARED):
+        return []
+    have = "one shared device" if shared else f"{len(devices)} exclusive device(s)"
+    if choice.why is layout.Why.CONFIG:
+        remedy = f'enable the {pools.CONSUMABLE_CAPACITY_GATE} feature gate, or set sharing = "units"'
+    else:
+        remedy = "systemctl restart ate-devplugd (the layout is decided at start)"
+    return [warn(check, f"{name} holds {have}, not the layout {choice}", remedy)]

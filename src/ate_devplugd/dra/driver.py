@@ -25,7 +25,8 @@ from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from ate_devplugd.config import ConfigError
 from ate_devplugd.dra import kubeconfig
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import DraConfig, Layout
+from ate_devplugd.dra.layout import LayoutChoice
 from ate_devplugd.dra.metrics import DraMetrics
 from ate_devplugd.dra.pools import DraResource, build_pools, devices_text
 from ate_devplugd.dra.prepare import Preparer
@@ -76,6 +77,8 @@ class DraStatus:
     devices: int
     sharing_dropped: bool = False
     detail: str = ""
+    #: The slices' layout (None: it follows the cluster, and the API server has not answered yet).
+    layout: LayoutChoice | None = None
 
     def __str__(self) -> str:
         if self.slices is SliceState.PUBLISHED:
@@ -84,6 +87,8 @@ class DraStatus:
                 if self.devices
                 else "slice published (no device present)"
             )
+            if self.layout is not None:  # what the slices hold; until they are published, their state says more
+                slices += f", layout {self.layout}"
         else:
             slices = f"slices {self.slices.value}"
             if self.detail:
@@ -128,7 +133,10 @@ class DraDriver:
             on_change=self._notify,
             metrics=self.metrics,
         )
-        self.health = HealthServicer(pools, lambda r: self.publisher.present.get(r, False), self.kubelet_changed)
+        # Health covers both layouts' devices where the layout is the cluster's to decide: a restart may
+        # change it while claims of the other are still allocated.
+        either = pools if config.sharing else [*pools, *(p.laid_out(Layout.SHARED) for p in pools)]
+        self.health = HealthServicer(either, lambda r: self.publisher.present.get(r, False), self.kubelet_changed)
         self.preparer = Preparer(config.driver, pools, self.publisher.files, self.publisher.present, self.metrics)
         self._plugin = DraServer(config.plugin_socket, self._add_plugin_services)
         self._registration = DraServer(config.registration_socket, self._add_registration_service)
@@ -196,7 +204,8 @@ class DraDriver:
     def status(self) -> DraStatus:
         pub = self.publisher
         detail = self._kubelet_detail if self.kubelet is KubeletLink.REFUSED else pub.detail
-        return DraStatus(self.kubelet, pub.state, sum(pub.published.values()), pub.sharing_dropped, detail)
+        devices = sum(pub.published.values())
+        return DraStatus(self.kubelet, pub.state, devices, pub.sharing_dropped, detail, pub.layout)
 
     async def stop(self) -> None:
         """Stop the publisher and both servers; the sockets are gone when this returns."""

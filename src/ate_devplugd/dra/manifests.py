@@ -7,6 +7,14 @@
   ValidatingAdmissionPolicy that lets such a credential write only the ResourceSlices of the node its
   token is bound to (node-bound service-account tokens).
 
+- on request (``refuse_multi``), for clusters whose every node serving the resources has the shared
+  layout: a ValidatingAdmissionPolicy that refuses a pod whose container (or init container) asks for
+  more than 1 of a resource, which a shared device cannot give (the pod would stay Pending for ever).
+  Opt-in, because it is cluster-wide and the layout is per node (device-plugin nodes and units nodes
+  give 2). Its failurePolicy is Ignore: a policy that cannot be evaluated never blocks a pod, which then
+  meets the scheduler as it would without it. Two containers asking 1 each are let through (whether the
+  scheduler can give one shared device to two requests of one claim was not measured).
+
 Every name is one the apiserver takes for its kind: the policy, its binding and ``spec.policyName``
 must be DNS subdomains (no ``:``, which RBAC names allow), so all four objects share the subdomain
 ``ate-devplugd.<driver>``. The policy and its binding come before the RBAC that grants the writes it
@@ -141,9 +149,69 @@ def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE
     ]
 
 
-def render(config: DraConfig, resources: Sequence[str], *, with_access: bool = True, stage: str | None = None) -> str:
+def refuse_multi_name(config: DraConfig) -> str:
+    """The name of the pod policy of ``refuse_multi`` and its binding (DNS subdomains)."""
+    return f"ate-devplugd-one-each.{config.driver}"
+
+
+def refuse_multi_objects(config: DraConfig, resources: Sequence[str]) -> list[dict[str, Any]]:
+    """A policy, and its binding, refusing a pod whose container asks for more than 1 of a resource."""
+    name = refuse_multi_name(config)
+    validations = []
+    for resource in resources:
+        # Extended resources are whole numbers; limits alone, or requests equal to them.
+        at_most_one = f"!('{resource}' in m) || quantity(m['{resource}']).compareTo(quantity('1')) <= 0"
+        asked = f"[c.?resources.?limits.orValue({{}}), c.?resources.?requests.orValue({{}})].all(m, {at_most_one})"
+        validations.append(
+            {
+                "expression": f"variables.containers.all(c, {asked})",
+                "message": f"{resource}: at most 1 per container on this cluster, whose nodes publish it as one shared "
+                "device (ate-devplugd in DRA mode, the shared layout), which one request cannot get twice; "
+                "ask for 1: one device node serves every VM of the pod",
+                "reason": "Invalid",
+            }
+        )
+    return [
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Ignore",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+                    ]
+                },
+                "variables": [
+                    {
+                        "name": "containers",
+                        "expression": "object.spec.containers + object.spec.?initContainers.orValue([])",
+                    }
+                ],
+                "validations": validations,
+            },
+        },
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {"policyName": name, "validationActions": ["Deny"]},
+        },
+    ]
+
+
+def render(
+    config: DraConfig,
+    resources: Sequence[str],
+    *,
+    with_access: bool = True,
+    stage: str | None = None,
+    refuse_multi: bool = False,
+) -> str:
     """The manifests as one multi-document YAML text: all of them, or one ``stage`` of STAGES (which
-    implies ``with_access``)."""
+    implies ``with_access``); with ``refuse_multi``, the pod policy after the DeviceClasses (not in the
+    ``grant`` stage)."""
     if stage is not None and stage not in STAGES:
         raise ValueError(f"stage {stage!r}: not one of {', '.join(STAGES)}")
     access = access_objects(config)
@@ -157,6 +225,14 @@ def render(config: DraConfig, resources: Sequence[str], *, with_access: bool = T
     docs = [device_class(config, resource) for resource in resources]
     text = "# DeviceClasses for ate-devplugd's DRA driver " + config.driver + "\n"
     text += yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True, width=4096)
+    if refuse_multi:
+        text += (
+            "# Only where every node serving these resources has the shared layout: pods asking for more than 1\n"
+            "# of one in a container are refused at creation, instead of staying Pending for ever.\n"
+        )
+        text += yaml.safe_dump_all(
+            refuse_multi_objects(config, resources), sort_keys=False, explicit_start=True, width=4096
+        )
     if stage == "policy":
         text += (
             "# Stage 1 of 2: an admission policy that limits a node-bound token to its own node's ResourceSlices.\n"

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ate_devplugd.dra.apiclient import ApiErrorKind
+from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.slice_plan import PublishReason
 from ate_devplugd.promtext import Family
 
@@ -32,6 +33,10 @@ PREFIX = "ate_devplugd_dra_"
 #: Upper bounds (seconds) of the prepare latency histogram: kubelet measures 25-30 ms for a prepare of
 #: this driver, and gives each call 45 s.
 PREPARE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 45.0)
+
+
+#: The ``sharing`` label while the layout follows the cluster and the API server has not told it yet.
+UNDECIDED = "undecided"
 
 
 class ClaimProblem(enum.Enum):
@@ -48,8 +53,11 @@ class ClaimProblem(enum.Enum):
 class DraMetrics:
     """Counts DRA mode's events; ``shared`` (the daemon's Metrics, if any) gets the shared counters."""
 
-    def __init__(self, driver: str, sharing: str, resources: Sequence[str] = (), shared: Metrics | None = None) -> None:
+    def __init__(
+        self, driver: str, sharing: Layout | None, resources: Sequence[str] = (), shared: Metrics | None = None
+    ) -> None:
         self.driver = driver
+        #: The layout, None until it is decided (where the config leaves it to the cluster).
         self.sharing = sharing
         self.resources = tuple(resources)
         self._shared = shared
@@ -113,6 +121,11 @@ class DraMetrics:
             self.refused = refused
             self._changed()
 
+    def layout_decided(self, layout: Layout) -> None:
+        if layout is not self.sharing:
+            self.sharing = layout
+            self._changed()
+
     def registration(self, accepted: bool) -> None:
         """kubelet's notice: it took the driver (a registration of every resource) or refused it."""
         if self._shared is not None:
@@ -125,9 +138,13 @@ class DraMetrics:
     # -- exposition ------------------------------------------------------------------------------------
     def families(self) -> Iterator[Family]:
         info = Family.gauge(
-            PREFIX + "info", "Always 1 in DRA mode; the driver name and its sharing.", "driver", "sharing"
+            PREFIX + "info",
+            "Always 1 in DRA mode; the driver name and its layout (sharing: units, shared, or undecided while "
+            "the API server has not answered the start's question).",
+            "driver",
+            "sharing",
         )
-        info.add_metric([self.driver, self.sharing], 1)
+        info.add_metric([self.driver, str(self.sharing) if self.sharing is not None else UNDECIDED], 1)
         yield info
         refused = Family.gauge(
             PREFIX + "credentials_refused",

@@ -1,18 +1,21 @@
 """What DRA mode publishes: one pool per resource, its device names, and the ResourceSlice for it.
 
 Pure functions and values, no I/O. A pool is ``<node>/<resource>`` (``node-1/ate.dev/kvm``), served by
-exactly one slice, so every change to it is one atomic write.
+exactly one slice, so every change to it is one atomic write. Its devices follow its layout
+(``config.Layout``): ``kvm-0`` ... ``kvm-<units-1>`` in units, one ``kvm`` that allows multiple
+allocations in shared. The pool's name is the same in both, so a restart that changes the layout
+updates the one slice, and a claim allocated under the layout before is still the pool's.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ate_devplugd.device_config import is_dns_subdomain
-from ate_devplugd.dra.config import MAX_DEVICES, DraConfig
+from ate_devplugd.dra.config import MAX_DEVICES, DraConfig, Layout
 from ate_devplugd.toml_text import toml_value
 
 API_VERSION = "resource.k8s.io/v1"
@@ -35,13 +38,33 @@ class DraResource:
 
 @dataclass(frozen=True)
 class Pool:
-    """One resource's pool on this node, and the devices it holds when the device is present."""
+    """One resource's pool on this node, laid out as ``layout``: the devices it holds when the device is present."""
 
     resource: str
     name: str
     cdi_id: str
-    devices: tuple[str, ...]
-    shared: bool
+    #: The devices' names start with this: ``kvm`` (shared), ``kvm-0`` ... (units).
+    base: str
+    #: The devices of the units layout.
+    units: int
+    layout: Layout
+
+    @property
+    def shared(self) -> bool:
+        return self.layout is Layout.SHARED
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return (self.base,) if self.shared else tuple(f"{self.base}-{i}" for i in range(self.units))
+
+    def laid_out(self, layout: Layout) -> Pool:
+        """The same pool in ``layout``."""
+        return replace(self, layout=layout)
+
+    def knows(self, device: str) -> bool:
+        """Whether ``device`` is this pool's in either layout: a claim allocated before a restart that
+        changed the layout is still prepared (kubelet prepares a running pod's claims again at its start)."""
+        return device == self.base or device in self.laid_out(Layout.UNITS).devices
 
 
 def _label(text: str) -> str:
@@ -70,13 +93,18 @@ def class_name(resource: str) -> str:
     return _subdomain(f"{name}.{domain}")
 
 
-def build_pools(config: DraConfig, resources: Sequence[DraResource]) -> tuple[list[Pool], list[str]]:
-    """The pools for ``resources``, and one error line per resource DRA mode cannot publish."""
+def build_pools(
+    config: DraConfig, resources: Sequence[DraResource], layout: Layout | None = None
+) -> tuple[list[Pool], list[str]]:
+    """The pools for ``resources`` in ``layout`` (by default the configured one, or units while the layout
+    follows the cluster and is not decided yet), and one error line per resource DRA mode cannot publish.
+    Where the layout is not set, the units layout's names are checked: they are the longer ones."""
+    layout = layout or config.sharing or Layout.UNITS
     pools: list[Pool] = []
     errors: list[str] = []
     seen: dict[str, str] = {}
     for res in resources:
-        shared = config.sharing == "shared"
+        shared = config.sharing is Layout.SHARED
         units = 1 if shared else (res.units or config.devices)
         base = device_base(res.name)
         name = pool_name(config.node_name, res.name)
@@ -95,8 +123,7 @@ def build_pools(config: DraConfig, resources: Sequence[DraResource]) -> tuple[li
             errors.append(f"{where}: pool name {toml_value(name)} is already used by {toml_value(seen[name])}")
         else:
             seen[name] = res.name
-            devices = (base,) if shared else tuple(f"{base}-{i}" for i in range(units))
-            pools.append(Pool(res.name, name, res.cdi_id, devices, shared))
+            pools.append(Pool(res.name, name, res.cdi_id, base, res.units or config.devices, layout))
     return pools, errors
 
 
@@ -133,14 +160,14 @@ def owner_refs(config: DraConfig, node_uid: str) -> list[dict[str, Any]]:
 
 
 def new_slice(config: DraConfig, pool: Pool, generation: int, present: bool, node_uid: str) -> dict[str, Any]:
-    """A ResourceSlice to create: a generated name, the Node as its controlling owner."""
+    """A ResourceSlice to create: a generated name, the Node as its controlling owner (none: no owner)."""
+    metadata: dict[str, Any] = {"generateName": f"{config.node_name}-{config.driver}-"[:200]}
+    if node_uid:
+        metadata["ownerReferences"] = owner_refs(config, node_uid)
     return {
         "apiVersion": API_VERSION,
         "kind": "ResourceSlice",
-        "metadata": {
-            "generateName": f"{config.node_name}-{config.driver}-"[:200],
-            "ownerReferences": owner_refs(config, node_uid),
-        },
+        "metadata": metadata,
         "spec": slice_spec(config, pool, generation, present),
     }
 

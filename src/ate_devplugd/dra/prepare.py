@@ -196,7 +196,7 @@ class Preparer:
         device = str(result.get("device", ""))
         if pool is None:
             raise ClaimError(ClaimProblem.UNKNOWN_DEVICE, f"pool {result.get('pool')!r} is not served on this node")
-        if device not in pool.devices:
+        if not pool.knows(device):  # in either layout: one decided at a restart may differ from the claim's
             raise ClaimError(ClaimProblem.UNKNOWN_DEVICE, f"device {device!r} is not in pool {pool.name}")
         if not self._present.get(pool.resource, False):
             raise ClaimError(ClaimProblem.DEVICE_ABSENT, f"the device of {pool.resource} is absent on this node")

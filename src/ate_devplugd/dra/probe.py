@@ -4,7 +4,9 @@ Three looks, each on its own, none changing anything (no claim is prepared):
 - kubelet's plugin watcher: the registration socket's GetInfo, within kubelet's own 1 s;
 - kubelet's DRA manager: the plugin socket GetInfo names answers (a NodeUnprepareResources of no
   claim), and the health stream's first message (how many devices are healthy);
-- the scheduler: this node's ResourceSlices of the driver, read with the ``[dra]`` kubeconfig.
+- the scheduler: this node's ResourceSlices of the driver, read with the ``[dra]`` kubeconfig, and the
+  layout they should have (``layout.decide``: the configured one, or what the API server's answer to a
+  dry-run create allows), beside the layout each one has.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from ate_devplugd.dra import kubeconfig, pools
+from ate_devplugd.dra import kubeconfig, layout, pools
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.service import PLUGIN_TYPE
@@ -30,6 +32,8 @@ from ate_devplugd.findings import format_table
 
 #: kubelet's deadline for GetInfo (its plugin watcher gives up after this).
 GET_INFO_TIMEOUT = 1.0
+#: The resource a layout is asked about while no slice names one.
+DEFAULT_RESOURCE = "ate.dev/kvm"
 
 
 @dataclass
@@ -44,6 +48,8 @@ class Check:
 class Report:
     checks: list[Check] = field(default_factory=list)
     slices: list[dict[str, Any]] = field(default_factory=list)
+    #: The layout the slices should have (None: the API server could not be asked).
+    choice: layout.LayoutChoice | None = None
 
     @property
     def ok(self) -> bool:
@@ -133,15 +139,56 @@ async def _slices(
     count = len(report.slices)
     text = f"{count} ResourceSlice{'' if count == 1 else 's'} of {config.driver} on node {config.node_name}"
     report.checks.append(Check("slices", credentials.server, text if count else f"ERROR {text}", ok=bool(count)))
+    await _layout(config, load_credentials, timeout, report)
+
+
+async def _layout(
+    config: DraConfig, load_credentials: Callable[[str], kubeconfig.Credentials], timeout: float, report: Report
+) -> None:
+    """The layout the slices should have: the configured one, or the one the API server's answer allows."""
+    resource = next((_resource(obj) for obj in report.slices if _resource(obj)), DEFAULT_RESOURCE)
+    client = ApiClient(load_credentials(config.kubeconfig))
+    try:
+        async with asyncio.timeout(timeout):
+            choice = await layout.decide(client, config, layout.trial_pool(config, resource))
+    except (ApiError, ApiUnavailable) as exc:
+        report.checks.append(Check("layout", client.credentials.server, f"ERROR cannot ask: {exc}", ok=False))
+        return
+    except TimeoutError:
+        report.checks.append(
+            Check("layout", client.credentials.server, f"ERROR no answer within {timeout:g}s", ok=False)
+        )
+        return
+    finally:
+        await client.close()
+    report.choice = choice
+    report.checks.append(Check("layout", client.credentials.server, str(choice)))
+
+
+def _resource(obj: dict[str, Any]) -> str:
+    """The resource a slice's first device offers ("" for none)."""
+    for device in obj.get("spec", {}).get("devices") or []:
+        return str(device.get("attributes", {}).get(pools.RESOURCE_ATTRIBUTE, {}).get("string", ""))
+    return ""
 
 
 def render(report: Report) -> str:
     text = format_table([("CHECK", "WHERE", "RESULT"), *((c.what, c.where, c.result) for c in report.checks)])
     if report.slices:
-        rows: list[tuple[str, ...]] = [("SLICE", "POOL", "GENERATION", "DEVICES")]
+        rows: list[tuple[str, ...]] = [("SLICE", "POOL", "GENERATION", "DEVICES", "LAYOUT")]
         for obj in report.slices:
             pool, generation = pools.pool_of(obj)
-            devices = len(obj.get("spec", {}).get("devices") or [])
-            rows.append((str(obj.get("metadata", {}).get("name", "")), pool, str(generation), str(devices)))
+            devices = obj.get("spec", {}).get("devices") or []
+            name = str(obj.get("metadata", {}).get("name", ""))
+            rows.append((name, pool, str(generation), str(len(devices)), _layout_of(devices)))
         text += "\n\n" + format_table(rows)
     return text
+
+
+def _layout_of(devices: list[dict[str, Any]]) -> str:
+    """What a published slice's devices say of its layout (a shared device the API server made exclusive: units)."""
+    if not devices:
+        return "-"
+    if any(d.get("allowMultipleAllocations") for d in devices):
+        return "shared"
+    return "units"

@@ -1,7 +1,8 @@
 """Publish this node's ResourceSlices and keep them published: ``slice_plan``'s operations, carried out.
 
 One connection = fresh credentials (the kubeconfig read again), the Node's uid (waiting on a watch while
-the Node does not exist yet: ``node.py``), a list of the driver's slices on this node, then a watch
+the Node does not exist yet: ``node.py``), once per run the layout, where the config leaves it to the
+cluster (``layout.decide``), a list of the driver's slices on this node, then a watch
 from that list's resourceVersion beside a reconciler, which applies ``slice_plan.plan`` to what the list
 and the watch say is stored. Kubelet deletes the slices at its start and after a 30 s driver outage,
 and the garbage collector deletes them with a recreated Node: each deletion arrives on the watch and
@@ -25,7 +26,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from ate_devplugd.backoff import Backoff
-from ate_devplugd.dra import kubeconfig, node, pools, slice_plan
+from ate_devplugd.dra import kubeconfig, layout, node, pools, slice_plan
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.credentials import CredentialFiles
@@ -95,11 +96,13 @@ class SlicePublisher:
         self.state = SliceState.WAITING
         self.detail = ""
         self.sharing_dropped = False
+        #: The layout: the configured one, or None until the API server has answered (``layout.decide``).
+        self.layout = layout.configured(config)
         self._wake = asyncio.Event()
         #: This connection's view: the Node's uid, and the stored slices as its list and watch say.
         self._node_uid = ""
         self._stored = slice_plan.StoredSlices()
-        self._shown: tuple[SliceState, str, tuple[int, ...], bool] = (self.state, "", (), False)
+        self._shown: tuple[object, ...] = ()
         self._reconnects = Reconnects(config.kubeconfig)
         #: The last connection published the slices (a failure after that starts a fresh back-off).
         self._published = False
@@ -127,7 +130,7 @@ class SlicePublisher:
         self.state, self.detail = state, detail
         if self._metrics is not None:
             self._metrics.credentials_refused(state is SliceState.CREDENTIALS_REFUSED)
-        shown = (state, detail, tuple(self.published.values()), self.sharing_dropped)
+        shown = (state, detail, tuple(self.published.values()), self.sharing_dropped, self.layout)
         if shown != self._shown:
             self._shown = shown
             if self._on_change is not None:
@@ -206,10 +209,20 @@ class SlicePublisher:
     async def _serve(self, client: ApiClient) -> None:
         """The Node, the list, then the watch beside the reconciler, until one of them fails."""
         await self._refresh_node(client)
+        if self.layout is None and self.pools:
+            self._decided(await layout.decide(client, self.config, self.pools[0]))
         selector = f"spec.nodeName={self.config.node_name},spec.driver={self.config.driver}"
         listing = await client.request("GET", SLICES, params={"fieldSelector": selector})
         self._stored.listed(listing)
         await _until_one_ends(self._watch(client, selector), self._reconcile_forever(client))
+
+    def _decided(self, choice: layout.LayoutChoice) -> None:
+        self.layout = choice
+        self.pools = [pool.laid_out(choice.layout) for pool in self.pools]
+        EventLog(log).info("dra-layout", "dra: layout %s", choice)
+        if self._metrics is not None:
+            self._metrics.layout_decided(choice.layout)
+        self._set_state(self.state, self.detail)
 
     async def _refresh_node(self, client: ApiClient) -> None:
         """The Node's uid, waiting on a watch while the Node does not exist."""
@@ -321,13 +334,7 @@ class SlicePublisher:
         """Read back what the apiserver stored: a shared device it made exclusive means the gate is off."""
         if slice_plan.sharing_dropped(pool, self.present[pool.resource], stored):
             if not self.sharing_dropped:
-                EventLog(log, resource=pool.resource).error(
-                    "dra-sharing-dropped",
-                    "dra: the API server dropped allowMultipleAllocations from pool %s: its device is exclusive, "
-                    'one pod at a time; enable the %s feature gate or use sharing = "units"',
-                    pool.name,
-                    pools.CONSUMABLE_CAPACITY_GATE,
-                )
+                layout.say_dropped(pool)
             self.sharing_dropped = True
 
 

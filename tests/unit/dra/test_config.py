@@ -46,13 +46,27 @@ class TestDefaults:
         assert errors == [] and again == cfg
 
     def test_shared_says_a_request_for_two_is_never_scheduled(self) -> None:
-        """check-config's output for shared mode says that a pod asking for 2 units stays Pending; units
-        mode says nothing of it."""
+        """check-config's output for shared mode says that a pod asking for 2 units stays Pending, and so
+        does it where the layout follows the cluster (shared from Kubernetes 1.36); units mode says nothing of it."""
         shared, _ = parse('[dra]\nsharing = "shared"\nnode_name = "n1"\n')
         text = config.render(shared)
         assert "ate.dev/kvm: 2) stays Pending" in text and "ask for 1" in text
-        units, _ = parse('[dra]\nnode_name = "n1"\n')
+        assert "devices =" not in text
+        units, _ = parse('[dra]\nsharing = "units"\nnode_name = "n1"\n')
         assert "Pending" not in config.render(units)
+        unset, _ = parse('[dra]\nnode_name = "n1"\n')
+        text = config.render(unset)
+        assert "sharing: not set, so the layout follows the cluster" in text and "stays Pending" in text
+        assert "\nsharing =" not in text and "devices = 128" in text
+
+    def test_unset_sharing_follows_the_cluster(self) -> None:
+        """Without ``sharing`` the config leaves the layout to the cluster (None), and renders back to it."""
+        cfg, errors = parse('[dra]\nnode_name = "n1"\n')
+        assert errors == [] and cfg.sharing is None
+        again, errors = parse(config.render(cfg))
+        assert errors == [] and again == cfg
+        explicit, _ = parse('[dra]\nsharing = "units"\nnode_name = "n1"\n')
+        assert explicit.sharing is config.Layout.UNITS
 
 
 class TestErrors:

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd.dra.apiclient import ApiErrorKind
+from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.metrics import PREPARE_BUCKETS, ClaimProblem, DraMetrics
 from ate_devplugd.dra.slice_plan import PublishReason
 from ate_devplugd.metrics import Metrics
@@ -26,7 +27,7 @@ def rendered(resources: tuple[str, ...] = (KVM, VHOST)) -> tuple[Metrics, DraMet
     shared = Metrics()
     for resource in resources:
         shared.add_resource(resource)
-    dra = DraMetrics("kvm.ate.dev", "units", resources, shared=shared)
+    dra = DraMetrics("kvm.ate.dev", Layout.UNITS, resources, shared=shared)
     shared.add_source(dra)
     return shared, dra
 

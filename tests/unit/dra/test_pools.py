@@ -6,7 +6,7 @@ import pytest
 
 from ate_devplugd.dra import slices
 from ate_devplugd.dra.apiclient import ApiUnavailable
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.dra.pools import DraResource, build_pools, class_name, new_slice, pool_name, slice_matches
 
 CONFIG = DraConfig(node_name="node-1", devices=3)
@@ -26,7 +26,7 @@ class TestPools:
         """A resource's own unit count wins; shared mode has one device named after the resource."""
         pools, _ = build_pools(CONFIG, [DraResource("ate.dev/kvm", "c", units=1)])
         assert pools[0].devices == ("kvm-0",)
-        shared = DraConfig(node_name="node-1", sharing="shared")
+        shared = DraConfig(node_name="node-1", sharing=Layout.SHARED)
         pools, _ = build_pools(shared, [DraResource("ate.dev/kvm", "c", units=50)])
         assert pools[0].devices == ("kvm",) and pools[0].shared
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ate_devplugd.dra import slice_plan
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.dra.pools import DraResource, Pool, build_pools, new_slice
 from ate_devplugd.dra.slice_plan import (
     Adopt,
@@ -25,7 +25,7 @@ from ate_devplugd.dra.slice_plan import (
 )
 
 CONFIG = DraConfig(node_name="node-1", devices=3)
-SHARED = DraConfig(node_name="node-1", sharing="shared")
+SHARED = DraConfig(node_name="node-1", sharing=Layout.SHARED)
 KVM, VHOST = DraResource("ate.dev/kvm", "c"), DraResource("ate.dev/vhost-net", "v")
 (POOL, VHOST_POOL), _ = build_pools(CONFIG, [KVM, VHOST])
 (SHARED_POOL,), _ = build_pools(SHARED, [KVM])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.driver import DraStatus, KubeletLink
+from ate_devplugd.dra.layout import LayoutChoice, Why
 from ate_devplugd.dra.slices import SliceState
 
 
@@ -36,6 +38,30 @@ class TestStatus:
                 DraStatus(KubeletLink.REGISTERED, SliceState.CREDENTIALS_REFUSED, 0, detail="401 Unauthorized; x"),
                 "dra: registered with kubelet, slices not published, the API server refuses the credentials: "
                 "401 Unauthorized; x",
+            ),
+            (
+                DraStatus(
+                    KubeletLink.REGISTERED, SliceState.PUBLISHED, 1, layout=LayoutChoice(Layout.SHARED, Why.KEPT)
+                ),
+                "dra: registered with kubelet, slice published (1 device), "
+                "layout shared (decided: the API server keeps allowMultipleAllocations)",
+            ),
+            (
+                DraStatus(
+                    KubeletLink.REGISTERED, SliceState.PUBLISHED, 128, layout=LayoutChoice(Layout.UNITS, Why.DROPPED)
+                ),
+                "dra: registered with kubelet, slice published (128 devices), "
+                "layout units (decided: the API server drops allowMultipleAllocations (DRAConsumableCapacity off))",
+            ),
+            (
+                DraStatus(
+                    KubeletLink.WAITING,
+                    SliceState.API_ERROR,
+                    0,
+                    detail="x",
+                    layout=LayoutChoice(Layout.UNITS, Why.CONFIG),
+                ),
+                "dra: waiting for kubelet, slices API server error: x",
             ),
             (
                 DraStatus(KubeletLink.REGISTERED, SliceState.PUBLISHED, 1, sharing_dropped=True),
