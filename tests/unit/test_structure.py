@@ -81,6 +81,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ate_devplugd.dra.metrics",
                 "ate_devplugd.dra.presence",
                 "ate_devplugd.dra.slice_plan",
+                "ate_devplugd.dra.slice_log",
                 "ate_devplugd.dra.layout",
                 "ate_devplugd.dra.reconnect",
             }

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from ate_devplugd.backoff import Backoff
-from ate_devplugd.dra import kubeconfig, layout, node, pools, slice_plan
+from ate_devplugd.dra import kubeconfig, layout, node, slice_log, slice_plan
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.credentials import CredentialFiles
@@ -39,14 +39,6 @@ log = logging.getLogger(__name__)
 
 #: Watches are renewed this often, which also re-reads the credentials (kubelet rotates its certificate).
 WATCH_SECONDS = 600
-#: What the journal says of each write: its event and how the slice came to be written.
-SAID = {
-    slice_plan.PublishReason.CREATED: ("dra-slice-published", "published"),
-    slice_plan.PublishReason.REPUBLISHED: ("dra-slice-republished", "published again after it was deleted"),
-    slice_plan.PublishReason.UPDATED: ("dra-slice-published", "updated"),
-}
-#: The events of a pool's slice (``_event`` logs them by name).
-EVENTS = ("dra-slice-published", "dra-slice-republished", "dra-slice-adopted")
 
 
 class SliceState(enum.Enum):
@@ -164,12 +156,7 @@ class SlicePublisher:
                     self._set_state(refused, retry.detail)
                 except Exception:  # noqa: BLE001 - the one boundary of this supervised task: log, back off, retry
                     retry = Retry(backoff.next(), "internal error (see the log)")
-                    EventLog(log).error(
-                        "dra-publisher-failed",
-                        "dra: the slice publisher failed (retrying in %.2f s)",
-                        retry.delay,
-                        exc_info=True,
-                    )
+                    slice_log.publisher_failed(retry.delay)
                     self._reconnects.new_problem()
                     self._set_state(SliceState.API_ERROR, retry.detail)
                 self._reconnects.failed()
@@ -281,14 +268,7 @@ class SlicePublisher:
             if isinstance(op, slice_plan.Delete):
                 await self._delete(client, op)
             elif isinstance(op, slice_plan.Adopt):  # a restart inside kubelet's 30 s grace: kept as it is
-                _event(
-                    "dra-slice-adopted",
-                    op.pool,
-                    "dra: slice %s for pool %s is already published as it should be (%s); kept",
-                    op.name,
-                    op.pool.name,
-                    pools.devices_text(op.devices),
-                )
+                slice_log.adopted(op)
             else:
                 await self._write(client, op)
 
@@ -303,9 +283,7 @@ class SlicePublisher:
         self._check_stored(op.pool, stored)
         if self._metrics is not None:
             self._metrics.slice_written(op.pool.resource, op.reason)
-        event, what = SAID[op.reason]
-        text = pools.devices_text(slice_plan.device_count(stored))
-        _event(event, op.pool, "dra: slice %s for pool %s %s (%s)", name, op.pool.name, what, text)
+        slice_log.written(op, name, slice_plan.device_count(stored))
 
     async def _delete(self, client: ApiClient, op: slice_plan.Delete) -> None:
         self._stored.deleting(op.name)
@@ -315,7 +293,7 @@ class SlicePublisher:
             if exc.status != 404:
                 raise
         self._stored.deleted(op.name)
-        log.info("dra: deleted slice %s (pool %s)", op.name, op.pool_name)
+        slice_log.deleted(op)
 
     async def _retry_forbidden(self, name: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """``call``, retrying a 403 that follows our own create of ``name`` (the authorizer lags)."""
@@ -350,7 +328,3 @@ async def _until_one_ends(*coroutines: Coroutine[Any, Any, None]) -> None:
             task.cancel()
         # Their outcome is known (raised above) or moot (cancelled); only their end is awaited.
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _event(name: str, pool: Pool, msg: str, *args: object) -> None:
-    EventLog(log, resource=pool.resource).info(name, msg, *args)
