@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     if args.command == "probe":
         return _probe(cfg, args.timeout)
     if args.command == "dra-manifests":
-        return _dra_manifests(cfg, with_access=not args.kubelet_credentials, stage=args.stage)
+        return _dra_manifests(
+            cfg, with_access=not args.kubelet_credentials, stage=args.stage, refuse_multi=args.refuse_multi
+        )
     return _run(cfg, args, early)
 
 
@@ -95,12 +97,15 @@ def _running_config(broken: ConfigError, config: str | None, plugin_dir: str | N
     return cfg
 
 
-def _dra_manifests(cfg: configmod.Config, *, with_access: bool, stage: str | None = None) -> int:
+def _dra_manifests(
+    cfg: configmod.Config, *, with_access: bool, stage: str | None = None, refuse_multi: bool = False
+) -> int:
     from ate_devplugd.dra import config as dra_config  # noqa: PLC0415 - PyYAML only for this command
     from ate_devplugd.dra import manifests  # noqa: PLC0415
 
     dra = cfg.dra or dra_config.from_mapping(None)[0]
-    text = manifests.render(dra, [dev.resource for dev in cfg.devices], with_access=with_access, stage=stage)
+    resources = [dev.resource for dev in cfg.devices]
+    text = manifests.render(dra, resources, with_access=with_access, stage=stage, refuse_multi=refuse_multi)
     sys.stdout.write(text)
     return os.EX_OK
 

@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one stage: 'policy' (DeviceClasses, service account, admission policy), then, once the "
         "policy is in force, 'grant' (the RBAC it confines)",
     )
+    manifests.add_argument(
+        "--refuse-multi",
+        action="store_true",
+        help="also an admission policy that refuses pods asking for more than 1 of a resource per container "
+        "(only where every node serving it has the shared layout)",
+    )
     return parser
 
 

@@ -9,12 +9,14 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
+from pathlib import Path
 from urllib.parse import quote
 
 import aiohttp
 import pytest
 import yaml
 
+from ate_devplugd import cli
 from ate_devplugd.dra import manifests
 from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.pools import DraResource, build_pools, new_slice
@@ -329,3 +331,15 @@ class TestRefuseMulti:
             api.refresh_policies()
             code, message = await write_slice(api.url, token, "node-2")
             assert code == 422 and "ValidatingAdmissionPolicy 'ate-devplugd.kvm.ate.dev'" in message
+
+    def test_from_the_command_line(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """``dra-manifests --refuse-multi`` prints the pod policy too; without the flag, none."""
+        config = tmp_path / "config.toml"
+        config.write_text('[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+        common = ["dra-manifests", "--config", str(config), "--kubelet-credentials"]
+        assert cli.main([*common, "--refuse-multi"]) == 0
+        docs = documents(capsys.readouterr().out)
+        names = [d["metadata"]["name"] for d in docs if d["kind"].startswith("ValidatingAdmissionPolicy")]
+        assert names and all(name.startswith("ate-devplugd-one-each.") for name in names)
+        assert cli.main(common) == 0
+        assert not [d for d in documents(capsys.readouterr().out) if d["kind"].startswith("Validating")]
