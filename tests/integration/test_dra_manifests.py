@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
