@@ -779,6 +779,8 @@ async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str
     dra = (
         f'[dra]\ndriver = "{driver}"\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\n'
         f'kubelet_dir = "{kubelet_dir}"\n'
+        # The claims name the units layout's devices (kvm-N); set, so the figures stay comparable.
+        'sharing = "units"\n'
     )
     kubelet = FakeDraKubelet(kubelet_dir)
     notify.forget()
