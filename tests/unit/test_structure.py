@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -202,6 +203,26 @@ def graph() -> dict[str, set[str]]:
     found = modules()
     known = set(found)
     return {name: imports(name, path, known) for name, path in found.items()}
+
+
+def readme_layers() -> dict[str, int]:
+    """README's code map: each module row under the heading of its layer (``**N. ...**``)."""
+    text = (SRC.parent / "README.md").read_text()
+    section = text.split("\n### Code map\n", 1)[1].split("\n## ", 1)[0]
+    found: dict[str, int] = {}
+    layer = -1
+    for line in section.splitlines():
+        if heading := re.match(r"\*\*(\d+)\. ", line):
+            layer = int(heading[1])
+        elif row := re.match(r"\| `([\w/]+)\.py` \|", line):
+            found[PACKAGE + "." + row[1].replace("/", ".")] = layer
+    return found
+
+
+def test_readme_code_map_shows_the_layers() -> None:
+    """Every module has its row in README's code map, under its layer's heading."""
+    wanted = {mod: i for mod, i in layer_of().items() if mod not in (PACKAGE, f"{PACKAGE}.dra")}
+    assert readme_layers() == wanted
 
 
 def test_every_module_has_a_layer() -> None:
