@@ -3,7 +3,8 @@
 - ``async def`` tests run in a fresh event loop each, under a hard timeout (no plugin needed, so the
   suite runs the same on Debian's pytest 7 and on current PyPI releases); ``@pytest.mark.budget(s)``
   gives a long test its own;
-- test order is shuffled; the seed is printed and ``ATE_TEST_SEED=N`` replays an order.
+- test order is shuffled; the seed is printed and ``ATE_TEST_SEED=N`` replays an order;
+- the summary counts, per containerd series, the tests that drove it and how they ended.
 """
 
 from __future__ import annotations
@@ -33,6 +34,34 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     random.Random(_SEED).shuffle(items)
+
+
+#: The fixtures that start a real containerd, by the series they run.
+CONTAINERD_FIXTURES = {"containerd_16": "1.6", "containerd_17": "1.7", "containerd_21": "2.1"}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per containerd series: how many tests ran on it, passed, failed or were skipped."""
+    counts: dict[str, dict[str, int]] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if report.when != "call" and not (outcome in ("skipped", "error") and report.when == "setup"):
+                continue
+            names = set(getattr(report, "fixturenames", ()) or ())
+            series = {CONTAINERD_FIXTURES[n] for n in names & CONTAINERD_FIXTURES.keys()}
+            for one in series:
+                tally = counts.setdefault(one, {})
+                tally[outcome] = tally.get(outcome, 0) + 1
+    for series in sorted(counts):
+        text = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts[series].items()))
+        terminalreporter.write_line(f"containerd {series}: {text}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each report carries the test's fixture names (the summary above counts runtimes by them)."""
+    outcome = yield
+    outcome.get_result().fixturenames = tuple(getattr(item, "fixturenames", ()))
 
 
 @pytest.hookimpl(tryfirst=True)
