@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 
 from ate_devplugd import config as configmod
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.inotify import DirEvent, DirWatcher
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime
@@ -671,8 +671,13 @@ class DraNode(Node):
 
     def config(self, **changes: Any) -> configmod.Config:
         devices = changes.pop("devices", DRA_DEVICES)
+        # The units layout, set: the facts count devices (the layout the cluster decides is test_dra_layout's).
         dra = DraConfig(
-            node_name=NODE, kubeconfig=str(self.kubeconfig), kubelet_dir=str(self.base / "kubelet"), devices=devices
+            node_name=NODE,
+            kubeconfig=str(self.kubeconfig),
+            kubelet_dir=str(self.base / "kubelet"),
+            devices=devices,
+            sharing=Layout.UNITS,
         )
         config = kvm_config(self.plugin_dir, self.dev_root, metrics_file=self.prom, cdi=True)
         changes.setdefault("log_level", self.log_level)
