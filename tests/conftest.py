@@ -4,7 +4,8 @@
   suite runs the same on Debian's pytest 7 and on current PyPI releases); ``@pytest.mark.budget(s)``
   gives a long test its own;
 - test order is shuffled; the seed is printed and ``ATE_TEST_SEED=N`` replays an order;
-- the summary counts, per containerd series, the tests that drove it and how they ended.
+- the summary counts, per containerd series, the tests that drove it and how they ended, and shows
+  what the tests marked ``figures`` printed (their measurements) when they passed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for series in sorted(counts):
         text = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts[series].items()))
         terminalreporter.write_line(f"containerd {series}: {text}")
+    for report in terminalreporter.stats.get("passed", []):
+        if report.when == "call" and "figures" in report.keywords and report.capstdout.strip():
+            terminalreporter.write_line(f"figures of {report.nodeid}:")
+            for line in report.capstdout.strip().splitlines():
+                terminalreporter.write_line(f"  {line}")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -756,6 +756,7 @@ class DraNode(Node):
         return "api-back (the API server started again, its store kept)"
 
 
+@pytest.mark.figures
 @pytest.mark.budget(max(300, 6 * EVENTS))
 async def test_device_plugin_mode(tmp_path: Path) -> None:
     """The daemon in device-plugin mode through ``EVENTS`` random events: STATUS, the metrics file,
@@ -766,6 +767,7 @@ async def test_device_plugin_mode(tmp_path: Path) -> None:
     print(await node.live(EVENTS))
 
 
+@pytest.mark.figures
 @pytest.mark.budget(max(300, 6 * EVENTS))
 async def test_dra_mode() -> None:
     """The daemon in DRA mode through ``EVENTS`` random events (the API server's outages among them):

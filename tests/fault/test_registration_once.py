@@ -135,6 +135,7 @@ async def test_each_wipe_order(tmp_path: Path, plugin_dir: Path, dev_root: Path,
     )
 
 
+@pytest.mark.figures
 @pytest.mark.budget(1500)
 @pytest.mark.parametrize("machine", ["idle", "overcommit"])
 async def test_random_restarts(tmp_path: Path, plugin_dir: Path, dev_root: Path, machine: str) -> None:
