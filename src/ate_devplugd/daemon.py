@@ -6,9 +6,10 @@ steps (watch, then read the state, then serve: each socket proves it answers bef
 READY=1 goes out once every present device has been served, whether or not kubelet is there; the
 metrics file follows from then on, and so does the question to the container runtime whether it applies
 our CDI names (``runtime_cdi.RuntimeCheck``: asked again on reload, when kubelet starts and when the
-runtime's socket is created again; "unknown" as soon as it goes; never on a timer). The main loop sleeps
-until a signal's flag is set; the only timers are the watchdog ping, the sessions' back-off and the
-coalescing delays of the metrics file and of the runtime socket's events. A reload is applied whole or
+runtime's socket is created again; "unknown" as soon as it goes; on a timer only while a runtime that is
+there does not answer yet). The main loop sleeps until a signal's flag is set; the only timers are the
+watchdog ping, the sessions' and the runtime check's back-offs and the coalescing delays of the metrics
+file and of the runtime socket's events. A reload is applied whole or
 not at all: ``reload_decision`` refuses it before anything changes, and ``reload_report`` says how each
 one went (STATUS, journal, counters, and the record ``ate-devplugd reload`` waits for).
 """

@@ -48,10 +48,11 @@ RETRY_FOR = 60.0
 
 class RuntimeCheck:
     """The daemon's question to the runtime: asked at start, on reload, when kubelet starts, and whenever
-    the runtime's socket is created again (containerd and CRI-O create theirs anew at every start); never
-    on a timer. Each ask replaces one still running. It runs beside everything else on the loop, so a
-    runtime that is slow or absent delays nothing. Each new verdict is logged once (a warning when the
-    names will not work, info otherwise) and shown in STATUS and the metrics.
+    the runtime's socket is created again (containerd and CRI-O create theirs anew at every start); on a
+    timer only while a runtime that is there gives no answer (see below). Each ask replaces one still
+    running. It runs beside everything else on the loop, so a runtime that is slow or absent delays
+    nothing. Each new verdict is logged once (a warning when the names will not work, info otherwise)
+    and shown in STATUS and the metrics.
 
     The socket is followed by inotify on its directory (``DirWatcher``, on the loop): the one ``discover``
     named (``runtime_socket``, or kubelet's), else the directory of each usual socket (a directory not
