@@ -132,7 +132,7 @@ def uevent_wake(source: str) -> int:
 
     import pyudev
 
-    from ate_devplugd import kvm_events
+    from ate_devplugd.node import kvm_events
 
     monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=source)
     monitor.filter_by("misc")
@@ -188,7 +188,7 @@ def register(directory: str) -> int:
     import grpc
 
     from ate_devplugd._pb import api_pb2, api_pb2_grpc
-    from ate_devplugd.inotify import DirEvent, DirWatcher
+    from ate_devplugd.base.inotify import DirEvent, DirWatcher
 
     class Plugin(api_pb2_grpc.DevicePluginServicer):
         async def GetDevicePluginOptions(self, request: object, context: object) -> api_pb2.DevicePluginOptions:

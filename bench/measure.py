@@ -33,10 +33,11 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test harness: tests/support.py
 
-from ate_devplugd import __version__, servicer
+from ate_devplugd import __version__
 from ate_devplugd._pb import api_pb2
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.devices import Presence, Resource
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.deviceplugin import servicer
+from ate_devplugd.node.devices import Presence, Resource
 from tests.fakes.kubelet import FakeKubelet
 from tests.support import (
     DaemonProcess,

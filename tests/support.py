@@ -36,17 +36,17 @@ from typing import Any
 import grpc
 import pytest
 
-from ate_devplugd import endpoint
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
+from ate_devplugd.base.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.logs import FIELD_EVENT
+from ate_devplugd.base.unixsock import unix_target
 from ate_devplugd.config import Config
+from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.daemon import Daemon
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.devices import Presence, Resource
-from ate_devplugd.inotify import DirEvent, DirWatcher
-from ate_devplugd.kernel import KernelView, NodeStat, UdevKernelView
-from ate_devplugd.logs import FIELD_EVENT
-from ate_devplugd.notify import Notifier
-from ate_devplugd.unixsock import unix_target
+from ate_devplugd.deviceplugin import endpoint
+from ate_devplugd.node.devices import Presence, Resource
+from ate_devplugd.node.kernel import KernelView, NodeStat, UdevKernelView
+from ate_devplugd.signals.notify import Notifier
 from tests.fakes.kubelet import FakeKubelet
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -611,7 +611,7 @@ async def daemon_in_process(
     reload_result: Path | None = None,
 ) -> AsyncIterator[DaemonInProcess]:
     """``Daemon`` on this loop with ``kernel`` for the device nodes and ``monitor`` for udev (and, given
-    ``running_config`` and ``reload_result``, the config it runs and its reloads' outcome kept there, as
+    ``running_config`` and ``reload.result``, the config it runs and its reloads' outcome kept there, as
     under the unit)."""
     factory = (lambda: (monitor, "udev")) if monitor is not None else None
     notifier = Notifier(str(notify) if notify is not None else None)

@@ -1,5 +1,5 @@
 """Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests | reload``: each
-command run as ``cli_args`` parsed it."""
+command run as ``commands.args`` parsed it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 
-from ate_devplugd import __version__, cli_args
+from ate_devplugd import __version__
 from ate_devplugd import config as configmod
+from ate_devplugd.commands import args as cli_args
 from ate_devplugd.config import DEFAULT_CONFIG_PATH, ConfigError
 
 #: `probe` found a socket that does not answer, `doctor` a FAIL, `reload` a refusal (os.EX_* has no name).
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
     if args.command == "doctor":
         return _doctor(args.config, as_json=args.json)
     if args.command == "reload":  # before the config is read: the daemon reads it, and says what it found
-        from ate_devplugd import reload_request  # noqa: PLC0415 - inotify only for this command
+        from ate_devplugd.commands import reload as reload_request  # noqa: PLC0415 - inotify only for this command
 
         return os.EX_OK if reload_request.request(args.config, args.pid, args.timeout) else EX_FAILURE
     try:
@@ -100,8 +101,8 @@ def _running_config(broken: ConfigError, config: str | None, plugin_dir: str | N
 def _dra_manifests(
     cfg: configmod.Config, *, with_access: bool, stage: str | None = None, refuse_multi: bool = False
 ) -> int:
-    from ate_devplugd.dra import config as dra_config  # noqa: PLC0415 - PyYAML only for this command
-    from ate_devplugd.dra import manifests  # noqa: PLC0415
+    from ate_devplugd.commands import manifests  # noqa: PLC0415
+    from ate_devplugd.config import dra as dra_config  # noqa: PLC0415 - PyYAML only for this command
 
     dra = cfg.dra or dra_config.from_mapping(None)[0]
     resources = [dev.resource for dev in cfg.devices]
@@ -144,13 +145,13 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
     if cfg.mode == "dra" and cfg.dra is not None:
-        from ate_devplugd.dra import probe  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
+        from ate_devplugd.commands.probe import dra as probe  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
 
         report = asyncio.run(probe.probe(cfg.dra, timeout))
         print(probe.render(report))
         return os.EX_OK if report.ok else EX_FAILURE
 
-    from ate_devplugd import nodeprobe  # noqa: PLC0415 - keeps `check-config` free of grpc
+    from ate_devplugd.commands.probe import deviceplugin as nodeprobe  # noqa: PLC0415 - keeps `check-config` free of grpc
 
     ours = {dev.socket_name: dev.resource for dev in cfg.devices}
     try:
@@ -168,8 +169,8 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
 def _doctor(config_path: str | None, *, as_json: bool) -> int:
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
-    from ate_devplugd import doctor, findings  # noqa: PLC0415 - gRPC and the kernel view only for this command
-    from ate_devplugd.kernel import UdevKernelView  # noqa: PLC0415
+    from ate_devplugd.commands import doctor, findings  # noqa: PLC0415 - gRPC and the kernel view only for this command
+    from ate_devplugd.node.kernel import UdevKernelView  # noqa: PLC0415
 
     found = asyncio.run(doctor.examine(config_path, doctor.Node(kernel=UdevKernelView())))
     print(findings.render_json(found) if as_json else findings.render(found))
@@ -177,14 +178,14 @@ def _doctor(config_path: str | None, *, as_json: bool) -> int:
 
 
 def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) -> int:
-    from ate_devplugd import malloc  # noqa: PLC0415 - before gRPC and its threads
+    from ate_devplugd.base import malloc  # noqa: PLC0415 - before gRPC and its threads
 
     malloc.one_arena()
     import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
 
-    from ate_devplugd import reload_result  # noqa: PLC0415
+    from ate_devplugd.base.logs import setup_logging  # noqa: PLC0415
     from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon
-    from ate_devplugd.logs import setup_logging  # noqa: PLC0415
+    from ate_devplugd.reload import result as reload_result  # noqa: PLC0415
 
     setup_logging(args.log_target, cfg.log_level)
     log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from ate_devplugd.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.inotify import DirEvent, DirWatcher
 
 DIAL_TIMEOUT = 10.0
 GET_INFO_TIMEOUT = 1.0

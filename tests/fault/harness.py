@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ate_devplugd.kubelet_watch import HELD
+from ate_devplugd.kubelet.watch import HELD
 from tests.fakes.kubelet import Event, FakeKubelet
 from tests.support import RESOURCE, SOCKET
 

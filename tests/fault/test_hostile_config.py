@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ate_devplugd import config as configmod
-from ate_devplugd import device_config
 from ate_devplugd._pb import api_pb2
 from ate_devplugd.config import ConfigError
+from ate_devplugd.config import device as device_config
 from tests.fakes.kubelet import extended_resource_name_ok
 from tests.fault.harness import (
     SOCKET,

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
-from ate_devplugd.device_config import DeviceConfig, max_request_bytes
+from ate_devplugd.config.device import DeviceConfig, max_request_bytes
 from tests.fault.harness import (
     SOCKET,
     ProcFigures,

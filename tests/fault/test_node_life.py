@@ -42,8 +42,8 @@ from typing import Any
 import pytest
 
 from ate_devplugd import config as configmod
-from ate_devplugd.dra.config import DraConfig, Layout
-from ate_devplugd.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.inotify import DirEvent, DirWatcher
+from ate_devplugd.config.dra import DraConfig, Layout
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime
 from tests.fakes.dra_kubelet import FakeDraKubelet

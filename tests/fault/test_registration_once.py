@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import endpoint
+from ate_devplugd.deviceplugin import endpoint
 from tests.fakes.kubelet import FakeKubelet
 from tests.fault.harness import (
     LOADED_WAIT,

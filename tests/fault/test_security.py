@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.lock import InstanceLock
+from ate_devplugd.kubelet.lock import InstanceLock
 from tests.fault.harness import (
     SOCKET,
     assert_one_current_registration,

@@ -18,13 +18,14 @@ from typing import Any
 
 import yaml
 
+from ate_devplugd.commands import manifests
 from ate_devplugd.config import Config
-from ate_devplugd.dra import kubeconfig, manifests
-from ate_devplugd.dra.config import DraConfig, Layout
+from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.config.pools import DraResource
+from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.driver import DraDriver, DraStatus
-from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.slices import SliceState
-from ate_devplugd.kernel import KernelView
+from ate_devplugd.node.kernel import KernelView
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.certs import Pki
 from tests.fakes.dra_kubelet import WIPING_DELAY, FakeDraKubelet

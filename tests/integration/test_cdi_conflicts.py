@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ate_devplugd.cdi_conflicts import EVENT_CONFLICT, EVENT_INVALID, find, scan
-from ate_devplugd.cdi_rules import Trouble
+from ate_devplugd.commands.doctor import Node, examine
+from ate_devplugd.commands.findings import Level
 from ate_devplugd.config import Config, render
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.doctor import Node, examine
-from ate_devplugd.findings import Level
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.cri.conflicts import EVENT_CONFLICT, EVENT_INVALID, find, scan
+from ate_devplugd.cri.rules import Trouble
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.support import FakeKernel, NotifyReceiver, daemon_in_process, kvm_config
 

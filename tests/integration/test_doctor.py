@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ate_devplugd import cli, session
+from ate_devplugd import cli
+from ate_devplugd.commands import manifests
+from ate_devplugd.commands.doctor import Node, examine
+from ate_devplugd.commands.findings import Finding, Level, failed, render_json
+from ate_devplugd.commands.findings import render as render_text
 from ate_devplugd.config import Config, render
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.doctor import Node, examine
-from ate_devplugd.dra import manifests
-from ate_devplugd.dra.config import DraConfig, Layout
-from ate_devplugd.dra.pools import DraResource, build_pools, slice_spec
-from ate_devplugd.findings import Finding, Level, failed, render_json
-from ate_devplugd.findings import render as render_text
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.config.pools import DraResource, build_pools, slice_spec
+from ate_devplugd.deviceplugin import session
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.integration.dra_rig import NODE, TOKEN, write_kubeconfig

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.dra import doctor, reconnect
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.commands.doctor import dra as doctor
+from ate_devplugd.commands.findings import Level
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.dra import reconnect
 from ate_devplugd.dra.slices import SliceState
-from ate_devplugd.findings import Level
 from tests.fakes.apiserver import FakeApiServer
 from tests.integration.dra_rig import DRIVER, NODE, POOL, Rig, rig, write_kubeconfig, write_token
 from tests.support import kvm_config

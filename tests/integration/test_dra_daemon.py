@@ -16,10 +16,10 @@ from typing import Any
 
 from ate_devplugd import config as configmod
 from ate_devplugd.config import Config
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.kernel import UdevKernelView
-from ate_devplugd.lock import InstanceLock
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.kubelet.lock import InstanceLock
+from ate_devplugd.node.kernel import UdevKernelView
 from tests.fakes.dra_kubelet import WIPING_DELAY
 from tests.integration.dra_rig import DRIVER, NODE, DraNode, dra_node, short_dir, write_kubeconfig
 from tests.podman import Podman

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
+from ate_devplugd.base.unixserver import SocketInUseError
+from ate_devplugd.base.unixsock import FileIdentity, staging_path
 from ate_devplugd.config import ConfigError
-from ate_devplugd.dra.config import MAX_SOCKET_PATH, DraConfig, from_mapping
+from ate_devplugd.config.dra import MAX_SOCKET_PATH, DraConfig, from_mapping
+from ate_devplugd.config.pools import DraResource
 from ate_devplugd.dra.driver import DraDriver, KubeletLink
-from ate_devplugd.dra.pools import DraResource
-from ate_devplugd.unixserver import SocketInUseError
-from ate_devplugd.unixsock import FileIdentity, staging_path
 from tests.fakes.dra_kubelet import FakeDraKubelet
 from tests.integration.dra_rig import KVM, NODE, rig, short_dir
 

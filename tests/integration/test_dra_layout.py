@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ate_devplugd.dra.config import DraConfig, Layout
+from ate_devplugd.config.dra import DraConfig, Layout
 from ate_devplugd.dra.driver import DraDriver, DraStatus
 from ate_devplugd.dra.layout import LayoutChoice, Why
 from ate_devplugd.dra.slices import SliceState

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from ate_devplugd import cli
-from ate_devplugd.dra import manifests
-from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.pools import DraResource, build_pools, new_slice
+from ate_devplugd.commands import manifests
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.config.pools import DraResource, build_pools, new_slice
 from tests.fakes.apiserver import FakeApiServer, collection_path
 
 ADMIN = "admin-t0ken"

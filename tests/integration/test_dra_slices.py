@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from ate_devplugd.config.dra import Layout
+from ate_devplugd.config.pools import DraResource
 from ate_devplugd.dra import kubeconfig, reconnect, slice_plan
-from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.driver import DraDriver, DraStatus
-from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.slices import SliceState
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.certs import make_pki

@@ -23,7 +23,7 @@ import pytest
 
 from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError
-from ate_devplugd.device_config import DeviceConfig
+from ate_devplugd.config.device import DeviceConfig
 from tests.fakes.kubelet import FakeKubelet
 from tests.fault.harness import LOADED_WAIT, full_tmpfs, read_only_bind
 from tests.support import (

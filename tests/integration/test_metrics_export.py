@@ -13,9 +13,9 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from ate_devplugd import __version__
-from ate_devplugd.metrics import Metrics
-from ate_devplugd.runtime_facts import CdiVerdict
-from ate_devplugd.textfile import TextfileWriter
+from ate_devplugd.cri.facts import CdiVerdict
+from ate_devplugd.signals.metrics import Metrics
+from ate_devplugd.signals.textfile import TextfileWriter
 from tests.integration.dra_rig import DRIVER, dra_node
 from tests.prometheus_tools import NodeExporter, node_exporter, promtool, sample, watching
 from tests.support import (

@@ -14,9 +14,9 @@ import signal
 from pathlib import Path
 
 from ate_devplugd import config as configmod
-from ate_devplugd import reload_result
 from ate_devplugd.config import Config
-from ate_devplugd.reload_result import Outcome
+from ate_devplugd.reload import result as reload_result
+from ate_devplugd.reload.result import Outcome
 from tests.support import (
     FakeKernel,
     daemon,

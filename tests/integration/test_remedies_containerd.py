@@ -4,7 +4,7 @@ verdict turns to applied and the VMM's guest boots.
 For containerd 1.7.24 (a version 2 file, and one without ``version``: version 1, whose CRI table is
 ``[plugins.cri]``) and 2.1.9 (its own version 3 file, and a version 2 file), each
 started once with CDI off and once with a ``cdi_spec_dirs`` that leaves the daemon's directory out: the
-runtime is asked as the daemon asks it (``runtime_ask.ask``), ``remedies.cdi_remedy`` gives the remedy
+runtime is asked as the daemon asks it (``cri.ask.ask``), ``remedies.cdi_remedy`` gives the remedy
 for its config file (read as ``doctor`` reads /etc/containerd/config.toml), the remedy's settings are
 written into the remedy's table of that file as an operator would, containerd is restarted on it, asked
 again, and given a pod with the daemon's Allocate answer. The remedy of 1.x's layout written into a
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import remedies, runtime_ask
-from ate_devplugd.runtime_facts import CdiVerdict
+from ate_devplugd.cri import ask as runtime_ask
+from ate_devplugd.cri import remedies
+from ate_devplugd.cri.facts import CdiVerdict
 from tests.podman import NodeStat
 from tests.runtimes.containerd import Containerd, Images, require, run_allocated
 from tests.support import allocated_kvm

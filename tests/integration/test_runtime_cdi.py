@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from ate_devplugd.config import Config
-from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME, RuntimeCheck
-from ate_devplugd.runtime_endpoint import Source
-from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
+from ate_devplugd.cri.check import EVENT_NOT_APPLIED, EVENT_RUNTIME, RuntimeCheck
+from ate_devplugd.cri.endpoint import Source
+from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
 from tests.fakes.cri import FakeRuntime, containerd_info, recorded
 from tests.support import (
     FakeKernel,

@@ -27,14 +27,14 @@ from typing import Any
 
 import pytest
 
-from ate_devplugd.cdi_conflicts import EVENT_CONFLICT
+from ate_devplugd.commands.doctor import Node, examine
+from ate_devplugd.commands.findings import Level
+from ate_devplugd.commands.findings import render as render_doctor
 from ate_devplugd.config import Config, render
-from ate_devplugd.doctor import Node, examine
-from ate_devplugd.findings import Level
-from ate_devplugd.findings import render as render_doctor
-from ate_devplugd.kernel import UdevKernelView
-from ate_devplugd.runtime_cdi import EVENT_NOT_APPLIED, EVENT_RUNTIME
-from ate_devplugd.runtime_facts import CdiVerdict
+from ate_devplugd.cri.check import EVENT_NOT_APPLIED, EVENT_RUNTIME
+from ate_devplugd.cri.conflicts import EVENT_CONFLICT
+from ate_devplugd.cri.facts import CdiVerdict
+from ate_devplugd.node.kernel import UdevKernelView
 from tests.fakes.kubelet import FakeKubelet
 from tests.podman import NodeStat
 from tests.runtimes.containerd import CheckerRun, Containerd, ContainerdBuild, Images, require, run_allocated, running

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ate_devplugd.backoff import Backoff
+from ate_devplugd.base.backoff import Backoff
 
 
 def test_doubles_up_to_the_cap_then_resets() -> None:

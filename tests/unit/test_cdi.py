@@ -8,9 +8,10 @@ import logging
 import os
 from pathlib import Path
 
-from ate_devplugd import cdi, device_config
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.devices import Presence, Resource
+from ate_devplugd.config import device as device_config
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.node import cdi
+from ate_devplugd.node.devices import Presence, Resource
 from tests.support import recording_events
 
 KVM = DeviceConfig("ate.dev/kvm", "/dev/kvm", cdi=True)

@@ -1,4 +1,4 @@
-"""The CDI library's rules (``cdi_rules``): which spec files load, and which spec a name resolves to.
+"""The CDI library's rules (``cri.rules``): which spec files load, and which spec a name resolves to.
 
 Each case is one the library's own code decides (``pkg/cdi/spec.go``, ``cache.go``; docs/cdi-runtimes.md
 names the lines)."""
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ate_devplugd.cdi_rules import LoadedSpec, Trouble, load, problems, qualified_names, resolve
+from ate_devplugd.cri.rules import LoadedSpec, Trouble, load, problems, qualified_names, resolve
 
 KVM = "ate.dev/kvm=kvm"
 OURS = "/etc/cdi/ate.dev-kvm.json"

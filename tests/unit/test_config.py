@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import config, device_config, toml_text
+from ate_devplugd import config
+from ate_devplugd.base import toml_text
 from ate_devplugd.config import Config, ConfigError
-from ate_devplugd.device_config import DeviceConfig
+from ate_devplugd.config import device as device_config
+from ate_devplugd.config.device import DeviceConfig
 from tests.support import subprocess_env
 
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
@@ -271,7 +273,7 @@ with contextlib.redirect_stdout(io.StringIO()):
 print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 """
 #: What only the daemon needs: the event loop, gRPC and the device registry (with its kernel view).
-DAEMON_ONLY = ("asyncio", "grpc", "ate_devplugd.devices")
+DAEMON_ONLY = ("asyncio", "grpc", "ate_devplugd.node.devices")
 
 
 class TestCheckConfigImports:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import devices
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.devices import DeviceRegistry, Presence, Resource
-from ate_devplugd.kernel import UdevKernelView
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.node import devices
+from ate_devplugd.node.devices import DeviceRegistry, Presence, Resource
+from ate_devplugd.node.kernel import UdevKernelView
 from tests.support import FakeKernel, make_kvm_node, recording_events
 
 KVM = DeviceConfig("ate.dev/kvm", "/dev/kvm", count=4)

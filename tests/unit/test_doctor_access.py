@@ -1,7 +1,7 @@
 """``doctor``'s access line: what a container asking for the resource will get, for each runtime verdict.
 
 The host's node is a file in a temp directory with the mode under test; the verdicts are built as
-``runtime_facts.decide`` builds them."""
+``cri.facts.decide`` builds them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from ate_devplugd.commands.doctor import access_finding
+from ate_devplugd.commands.findings import Level
 from ate_devplugd.config import Config
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.doctor import access_finding
-from ate_devplugd.findings import Level
-from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
 
 CONTAINERD = {"socket": "/run/containerd/containerd.sock", "name": "containerd", "version": "1.7.24"}
 

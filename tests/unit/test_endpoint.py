@@ -10,8 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ate_devplugd import endpoint, unixserver
-from ate_devplugd.unixserver import SocketGoneError
+from ate_devplugd.base import unixserver
+from ate_devplugd.base.unixserver import SocketGoneError
+from ate_devplugd.deviceplugin import endpoint
 from tests.fakes.kubelet import FakeKubelet
 from tests.support import kvm_resource
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import endpoint, grpc_compat
+from ate_devplugd.base import grpc_compat
+from ate_devplugd.deviceplugin import endpoint
 from tests.support import EventRecorder, kvm_resource, subprocess_env
 
 #: Run in a fresh interpreter: in the test process, another test's channel may still hold the runtime.
@@ -18,7 +19,7 @@ RUNTIME_CHECK = """
 import asyncio, sys, threading
 import grpc
 from grpc._cython import cygrpc
-from ate_devplugd import grpc_compat
+from ate_devplugd.base import grpc_compat
 
 def others():
     return {t.ident for t in threading.enumerate() if t is not threading.main_thread()}
@@ -105,9 +106,9 @@ class TestGrpcTeardownLog:
 
         caplog.set_level(logging.DEBUG)
         asyncio.run(run())
-        ours = [r for r in caplog.records if r.name == "ate_devplugd.grpc_compat" or r.levelno >= logging.WARNING]
+        ours = [r for r in caplog.records if r.name == "ate_devplugd.base.grpc_compat" or r.levelno >= logging.WARNING]
         assert [(r.name, r.levelno, r.exc_info is None) for r in ours] == [
-            ("ate_devplugd.grpc_compat", logging.DEBUG, True),
+            ("ate_devplugd.base.grpc_compat", logging.DEBUG, True),
             ("grpc._cython.cygrpc", logging.ERROR, True),
         ]
         assert "/v1beta1.DevicePlugin/ListAndWatch" in ours[0].getMessage()

@@ -8,7 +8,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from ate_devplugd.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.inotify import DirEvent, DirWatcher
 
 
 class Collector:

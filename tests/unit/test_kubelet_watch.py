@@ -8,7 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-from ate_devplugd.kubelet_watch import HELD, KubeletWatch, SocketLoss
+from ate_devplugd.kubelet.watch import HELD, KubeletWatch, SocketLoss
 
 
 def dead_socket(path: Path) -> None:

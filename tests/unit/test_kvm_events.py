@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ate_devplugd import kvm_events
+from ate_devplugd.node import kvm_events
 from tests.support import kvm_available, kvm_uevent, vm_properties
 
 KVM_CREATE_VM = 0xAE01

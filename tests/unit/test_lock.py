@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd.config import Config
-from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.lock import InstanceLock, NoPermissionError, lock_name, make_plugin_dir
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError, lock_name, make_plugin_dir
 from tests.fault.harness import read_only_bind
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ate_devplugd import logs
+from ate_devplugd.base import logs
 
 
 class TestJournalHandler:

@@ -11,7 +11,7 @@ from tests.support import subprocess_env
 # glibc's malloc_stats() lists the arenas on stderr, one "Arena N:" each.
 THREADS = """
 import ctypes, sys, threading, time
-from ate_devplugd import malloc
+from ate_devplugd.base import malloc
 if sys.argv[1] == "one":
     assert malloc.one_arena()
 barrier = threading.Barrier(8)

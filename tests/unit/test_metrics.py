@@ -25,13 +25,14 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ate_devplugd import __version__, atomicfile, config
-from ate_devplugd.dra.config import Layout
+from ate_devplugd import __version__, config
+from ate_devplugd.base import atomicfile
+from ate_devplugd.config.dra import Layout
+from ate_devplugd.cri.facts import CdiVerdict
 from ate_devplugd.dra.metrics import ClaimProblem, DraMetrics
-from ate_devplugd.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
-from ate_devplugd.promtext import Family, MetricType, exposition
-from ate_devplugd.runtime_facts import CdiVerdict
-from ate_devplugd.textfile import PROMPT_INTERVAL, TextfileWriter
+from ate_devplugd.signals.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
+from ate_devplugd.signals.promtext import Family, MetricType, exposition
+from ate_devplugd.signals.textfile import PROMPT_INTERVAL, TextfileWriter
 from tests.prometheus_tools import watching
 from tests.support import subprocess_env
 
@@ -240,7 +241,7 @@ class TestMetrics:
         assert "_created" not in text
         assert {family.name.split("_")[0] for family in text_string_to_metric_families(text)} == {"ate"}
         code = (
-            "import sys; from ate_devplugd.metrics import Metrics; m = Metrics(); m.add_resource('a.b/c'); "
+            "import sys; from ate_devplugd.signals.metrics import Metrics; m = Metrics(); m.add_resource('a.b/c'); "
             "m.render(); sys.exit('prometheus_client' in sys.modules)"
         )
         assert subprocess.run([sys.executable, "-c", code], env=subprocess_env(), check=False).returncode == 0

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import notify
-from ate_devplugd.notify import Notifier
+from ate_devplugd.signals import notify
+from ate_devplugd.signals.notify import Notifier
 
 
 def receiver(path: Path) -> socket.socket:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd.config import Config, ConfigError
-from ate_devplugd.device_config import DeviceConfig
-from ate_devplugd.reload_decision import Reason, ReloadRefused, accept
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.reload.decision import Reason, ReloadRefused, accept
 
 KVM = DeviceConfig("ate.dev/kvm", "/dev/kvm")
 TUN = DeviceConfig("ate.dev/tun", "/dev/net/tun", subsystem="misc")

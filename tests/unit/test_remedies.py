@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.remedies import (
+from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
+from ate_devplugd.cri.remedies import (
     CONTAINERD_V1_TABLE,
     CONTAINERD_V2_TABLE,
     CONTAINERD_V3_TABLE,
@@ -19,7 +20,6 @@ from ate_devplugd.remedies import (
     config_version,
     read_config_file,
 )
-from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport
 
 CDI_DIR = "/var/run/cdi"
 OFF = CdiVerdict.NOT_APPLIED

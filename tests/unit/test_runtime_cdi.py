@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ate_devplugd.runtime_ask import find_socket
+from ate_devplugd.cri.ask import find_socket
 
 
 def test_find_socket(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Which CRI socket is asked: ours, else kubelet's flag, else kubelet's config file, else the usual ones.
 
-The parsing and the order are pure (``runtime_endpoint``); ``runtime_ask.read_kubelet`` is run on a fake
+The parsing and the order are pure (``cri.endpoint``); ``cri.ask.read_kubelet`` is run on a fake
 ``/proc`` in a temp directory (``comm``, ``cmdline`` with NULs, ``cwd`` a symlink, as the kernel has them)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ate_devplugd.runtime_ask import discover, read_kubelet
-from ate_devplugd.runtime_endpoint import (
+from ate_devplugd.cri.ask import discover, read_kubelet
+from ate_devplugd.cri.endpoint import (
     DEFAULT_RUNTIME_SOCKETS,
     Kubelet,
     Source,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.runtime_facts import CdiVerdict, RuntimeReport, decide, parse_version, reads_dir
+from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport, decide, parse_version, reads_dir
 from tests.fakes.cri import containerd_info, recorded
 
 OURS = "/var/run/cdi"

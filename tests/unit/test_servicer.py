@@ -8,11 +8,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ate_devplugd import endpoint
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
-from ate_devplugd.device_config import max_request_bytes
-from ate_devplugd.devices import Presence
-from ate_devplugd.unixsock import unix_target
+from ate_devplugd.base.unixsock import unix_target
+from ate_devplugd.config.device import max_request_bytes
+from ate_devplugd.deviceplugin import endpoint
+from ate_devplugd.node.devices import Presence
 from tests.support import GONE, PRESENT, alloc, kvm_resource, served
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from ate_devplugd.kubelet_watch import KubeletWatch
-from ate_devplugd.metrics import Metrics
-from ate_devplugd.session import Session
+from ate_devplugd.deviceplugin.session import Session
+from ate_devplugd.kubelet.watch import KubeletWatch
+from ate_devplugd.signals.metrics import Metrics
 from tests.support import kvm_resource
 
 

@@ -16,133 +16,32 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "ate_devplugd"
 
-#: Lowest first. A module may import modules of its own layer or of lower ones, never of a higher one.
-LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    (
-        "foundations: no knowledge of devices, kubelet or config",
-        frozenset(
-            {
-                "ate_devplugd",
-                "ate_devplugd.dra",
-                "ate_devplugd.atomicfile",
-                "ate_devplugd.backoff",
-                "ate_devplugd.findings",
-                "ate_devplugd.grpc_compat",
-                "ate_devplugd.inotify",
-                "ate_devplugd.kernel",
-                "ate_devplugd.kvm_events",
-                "ate_devplugd.logs",
-                "ate_devplugd.malloc",
-                "ate_devplugd.notify",
-                "ate_devplugd.promtext",
-                "ate_devplugd.reload_result",
-                "ate_devplugd.unixsock",
-                "ate_devplugd.unixserver",
-            }
-        ),
-    ),
-    (
-        "the configuration and the facts it is checked against",
-        frozenset(
-            {
-                "ate_devplugd.device_config",
-                "ate_devplugd.dra.config",
-                "ate_devplugd.dra.pools",
-                "ate_devplugd.dra.kubeconfig",
-                "ate_devplugd.config",
-                "ate_devplugd.runtime_facts",
-                "ate_devplugd.cdi_rules",
-                "ate_devplugd.runtime_endpoint",
-                "ate_devplugd.remedies",
-                "ate_devplugd.toml_text",
-            }
-        ),
-    ),
-    (
-        "the node's parts, each followed or served on its own",
-        frozenset(
-            {
-                "ate_devplugd.devices",
-                "ate_devplugd.device_watch",
-                "ate_devplugd.cdi",
-                "ate_devplugd.cdi_conflicts",
-                "ate_devplugd.servicer",
-                "ate_devplugd.endpoint",
-                "ate_devplugd.lock",
-                "ate_devplugd.kubelet_watch",
-                "ate_devplugd.podresources",
-                "ate_devplugd.runtime_ask",
-                "ate_devplugd.textfile",
-                "ate_devplugd.runtime_files",
-                "ate_devplugd.udev",
-                "ate_devplugd.metrics",
-                "ate_devplugd.dra.apiclient",
-                "ate_devplugd.dra.node",
-                "ate_devplugd.dra.credentials",
-                "ate_devplugd.dra.metrics",
-                "ate_devplugd.dra.presence",
-                "ate_devplugd.dra.slice_plan",
-                "ate_devplugd.dra.slice_log",
-                "ate_devplugd.dra.layout",
-                "ate_devplugd.dra.reconnect",
-            }
-        ),
-    ),
-    (
-        "what follows them: a resource's session, the runtime check, a driver's services",
-        frozenset(
-            {
-                "ate_devplugd.session",
-                "ate_devplugd.plugins",
-                "ate_devplugd.runtime_cdi",
-                "ate_devplugd.dra.prepare",
-                "ate_devplugd.dra.slices",
-                "ate_devplugd.dra.service",
-            }
-        ),
-    ),
-    (
-        "the modes",
-        frozenset({"ate_devplugd.dra.driver", "ate_devplugd.dra.mode"}),
-    ),
-    (
-        "what a command runs",
-        frozenset(
-            {
-                "ate_devplugd.daemon",
-                "ate_devplugd.reload_decision",
-                "ate_devplugd.reload_report",
-                "ate_devplugd.reload_request",
-                "ate_devplugd.nodeprobe",
-                "ate_devplugd.doctor",
-                "ate_devplugd.doctor_daemon",
-                "ate_devplugd.doctor_runtime",
-                "ate_devplugd.dra.doctor",
-                "ate_devplugd.dra.probe",
-                "ate_devplugd.dra.manifests",
-            }
-        ),
-    ),
-    ("the command line", frozenset({"ate_devplugd.cli", "ate_devplugd.cli_args", "ate_devplugd.__main__"})),
+#: The packages, lowest first. A module may import its own package's modules and those of lower packages, never
+#: those of a higher one. The two modes (device-plugin and DRA) share a rank and never import each other.
+PACKAGES: tuple[tuple[str, str], ...] = (
+    ("base", "foundations: no knowledge of devices, kubelet or config"),
+    ("config", "the configuration, validated field by field"),
+    ("node", "the node's devices, udev, KVM's announcements, our CDI spec"),
+    ("kubelet", "kubelet's plugin directory, which kubelet is there, its pod-resources API"),
+    ("cri", "the container runtime kubelet uses, and what it does with our CDI names"),
+    ("signals", "sd_notify, the metrics and their file"),
+    ("deviceplugin", "device-plugin mode"),
+    ("dra", "DRA mode"),
+    ("reload", "reloads and the running daemon's runtime directory"),
+    ("daemon", "the daemon: the parts wired together on one loop"),
+    ("commands", "what the other commands run"),
 )
-#: The layer from which a module may use both modes' own modules (the commands).
-COMMANDS = 5
+#: The modes: same rank, apart from each other; only the daemon, the commands and the command line import them.
+MODES = frozenset({"deviceplugin", "dra"})
+#: What may stand at the top of the package (the version, ``python -m`` and the command line).
+TOP = frozenset({"ate_devplugd", "ate_devplugd.__main__", "ate_devplugd.cli"})
 
-#: Modules that only device-plugin mode uses. Below the commands, only they import each other: what both
-#: modes share (the lock, the metrics, a back-off) lives below them.
-DEVICE_PLUGIN_ONLY = frozenset(
-    {
-        "ate_devplugd.endpoint",
-        "ate_devplugd.servicer",
-        "ate_devplugd.session",
-        "ate_devplugd.plugins",
-        "ate_devplugd.nodeprobe",
-    }
-)
-#: The modules of the dra package that only DRA mode uses (its config and pools are parsed by config.py).
-DRA_SHARED = frozenset(
-    {"ate_devplugd.dra", "ate_devplugd.dra.config", "ate_devplugd.dra.pools", "ate_devplugd.dra.kubeconfig"}
-)
+
+def rank(package: str) -> int:
+    """A package's layer; the two modes share one."""
+    names = [name for name, _ in PACKAGES]
+    index = names.index(package)
+    return index - 1 if package == "dra" else index
 
 
 #: Lines a module may have: a module this long does more than one job.
@@ -195,8 +94,10 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     return out
 
 
-def layer_of() -> dict[str, int]:
-    return {mod: i for i, (_, mods) in enumerate(LAYERS) for mod in mods}
+def package_of(name: str) -> str | None:
+    """The package a module belongs to (``ate_devplugd.node.udev`` -> ``node``); None at the top."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and name not in TOP else None
 
 
 def graph() -> dict[str, set[str]]:
@@ -205,67 +106,75 @@ def graph() -> dict[str, set[str]]:
     return {name: imports(name, path, known) for name, path in found.items()}
 
 
-def readme_layers() -> dict[str, int]:
-    """README's code map: each module row under the heading of its layer (``**N. ...**``)."""
-    text = (SRC.parent / "README.md").read_text()
-    section = text.split("\n### Code map\n", 1)[1].split("\n## ", 1)[0]
-    found: dict[str, int] = {}
-    layer = -1
-    for line in section.splitlines():
-        if heading := re.match(r"\*\*(\d+)\. ", line):
-            layer = int(heading[1])
-        elif row := re.match(r"\| `([\w/]+)\.py` \|", line):
-            found[PACKAGE + "." + row[1].replace("/", ".")] = layer
-    return found
+def test_every_module_is_in_a_package_of_its_layer() -> None:
+    """Nothing but the version, ``__main__`` and ``cli`` at the top; every package has its layer."""
+    known = {name for name, _ in PACKAGES}
+    placed_nowhere = sorted(
+        name for name in modules() if name not in TOP and (package_of(name) not in known or name.count(".") < 1)
+    )
+    assert not placed_nowhere, f"modules in no package of PACKAGES: {placed_nowhere}"
 
 
-def test_readme_code_map_shows_the_layers() -> None:
-    """Every module has its row in README's code map, under its layer's heading."""
-    wanted = {mod: i for mod, i in layer_of().items() if mod not in (PACKAGE, f"{PACKAGE}.dra")}
-    assert readme_layers() == wanted
-
-
-def test_every_module_has_a_layer() -> None:
-    missing = sorted(set(modules()) - set(layer_of()))
-    assert not missing, f"place these in LAYERS: {missing}"
+def test_every_package_is_in_the_tree() -> None:
+    assert {name for name, _ in PACKAGES} == {path.name for path in (SRC / PACKAGE).iterdir() if path.is_dir()} - {
+        "_pb",
+        "__pycache__",
+    }
 
 
 def test_no_import_runs_up_the_layers() -> None:
-    layers = layer_of()
     up = sorted(
-        f"{src} ({LAYERS[layers[src]][0]}) -> {dst} ({LAYERS[layers[dst]][0]})"
+        f"{src} -> {dst}"
         for src, dsts in graph().items()
         for dst in dsts
-        if src in layers and dst in layers and layers[dst] > layers[src]
+        if (a := package_of(src)) and (b := package_of(dst)) and a != b and rank(b) >= rank(a)
     )
-    assert not up, "imports that run up the layers:\n" + "\n".join(up)
+    assert not up, "imports that run up the layers (or between the modes):\n" + "\n".join(up)
 
 
-def own_mode(name: str) -> str | None:
-    if name in DEVICE_PLUGIN_ONLY:
-        return "device-plugin"
-    if name.startswith("ate_devplugd.dra.") and name not in DRA_SHARED:
-        return "dra"
-    return None
-
-
-def crosses(src: str, dst: str, layers: dict[str, int]) -> bool:
-    """A mode's own module imported by the other mode's, or by a shared module below the commands."""
-    theirs, mine = own_mode(dst), own_mode(src)
-    if theirs is None or theirs == mine:
-        return False
-    return mine is not None or layers.get(src, COMMANDS) < COMMANDS
-
-
-def test_a_mode_uses_only_its_own_and_shared_modules() -> None:
-    layers = layer_of()
-    crossing = sorted(
-        f"{src} -> {dst} ({own_mode(dst)} mode only)"
+def test_only_the_daemon_and_the_commands_use_a_mode() -> None:
+    outside = sorted(
+        f"{src} -> {dst}"
         for src, dsts in graph().items()
         for dst in dsts
-        if crosses(src, dst, layers)
+        if package_of(dst) in MODES and package_of(src) not in (MODES | {"daemon", "commands", None})
     )
-    assert not crossing, "imports of the other mode's modules, or of a mode's from shared ones:\n" + "\n".join(crossing)
+    assert not outside, "a mode's modules imported from below the daemon:\n" + "\n".join(outside)
+
+
+def package_graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for src, dsts in graph().items():
+        a = package_of(src) or src
+        edges.setdefault(a, set()).update(b for d in dsts if (b := package_of(d) or d) != a)
+    return edges
+
+
+def test_no_circle_between_packages() -> None:
+    found = circles(package_graph())
+    assert not found, "package circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+CODE_MAP = SRC.parent / "docs" / "code-map.md"
+
+
+def code_map() -> dict[str, str]:
+    """docs/code-map.md: each module's row (``| `node/udev.py` | ...``) under its package's heading."""
+    found: dict[str, str] = {}
+    heading = ""
+    for line in CODE_MAP.read_text().splitlines():
+        if match := re.match(r"## `(\w+)/`", line):
+            heading = match[1]
+        elif row := re.match(r"\| `([\w/]+)\.py` \|", line):
+            name = ".".join([PACKAGE, *row[1].split("/")]).removesuffix(".__init__")
+            found[name] = heading if package_of(name) else ""
+    return found
+
+
+def test_code_map_follows_the_tree() -> None:
+    """Every module has one row in docs/code-map.md, under its package's heading; none that is gone."""
+    wanted = {name: package_of(name) or "" for name in modules()}
+    assert code_map() == wanted
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:

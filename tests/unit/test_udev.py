@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import errno
 
-from ate_devplugd import kvm_events
-from ate_devplugd.udev import UdevWatcher, UEvent
+from ate_devplugd.node import kvm_events
+from ate_devplugd.node.udev import UdevWatcher, UEvent
 from tests.support import FakeMonitor
 
 

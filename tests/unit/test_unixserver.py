@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ate_devplugd import unixserver
-from ate_devplugd.unixserver import SocketGoneError, SocketInUseError, UnixServer, check_socket_free
-from ate_devplugd.unixsock import FileIdentity, socket_answers, staging_path, unix_target
+from ate_devplugd.base import unixserver
+from ate_devplugd.base.unixserver import SocketGoneError, SocketInUseError, UnixServer, check_socket_free
+from ate_devplugd.base.unixsock import FileIdentity, socket_answers, staging_path, unix_target
 
 
 def echo_service(server: grpc.aio.Server) -> None:

@@ -17,10 +17,10 @@ import logging
 import posixpath
 from collections.abc import Callable, Iterable
 
+from ate_devplugd.base.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.logs import EventLog
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.kubeconfig import Credentials, KubeconfigError, Source
-from ate_devplugd.inotify import DirEvent, DirWatcher
-from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -23,23 +23,17 @@ from ate_devplugd._pb.dra.v1 import api_pb2_grpc as v1_grpc
 from ate_devplugd._pb.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config import ConfigError
+from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.config.pools import DraResource, build_pools, devices_text
 from ate_devplugd.dra import kubeconfig
-from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.dra.layout import LayoutChoice
 from ate_devplugd.dra.metrics import DraMetrics
-from ate_devplugd.dra.pools import DraResource, build_pools, devices_text
 from ate_devplugd.dra.prepare import Preparer
 from ate_devplugd.dra.presence import Presence
-from ate_devplugd.dra.service import (
-    DraPluginV1,
-    DraPluginV1beta1,
-    DraServer,
-    HealthServicer,
-    RegistrationServicer,
-)
+from ate_devplugd.dra.service import DraPluginV1, DraPluginV1beta1, DraServer, HealthServicer, RegistrationServicer
 from ate_devplugd.dra.slices import SlicePublisher, SliceState
-from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.dra import pools
+from ate_devplugd.base.logs import EventLog
+from ate_devplugd.config import pools
+from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.config.pools import Pool
 from ate_devplugd.dra.apiclient import SLICES, ApiClient
-from ate_devplugd.dra.config import DraConfig, Layout
-from ate_devplugd.dra.pools import Pool
-from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 

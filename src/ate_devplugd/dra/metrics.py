@@ -21,13 +21,13 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from ate_devplugd.config.dra import Layout
 from ate_devplugd.dra.apiclient import ApiErrorKind
-from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.slice_plan import PublishReason
-from ate_devplugd.promtext import Family
+from ate_devplugd.signals.promtext import Family
 
 if TYPE_CHECKING:
-    from ate_devplugd.metrics import Metrics
+    from ate_devplugd.signals.metrics import Metrics
 
 PREFIX = "ate_devplugd_dra_"
 #: Upper bounds (seconds) of the prepare latency histogram: kubelet measures 25-30 ms for a prepare of

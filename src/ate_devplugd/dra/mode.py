@@ -22,16 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ate_devplugd.device_config import qualified_name
-from ate_devplugd.devices import DeviceRegistry, Resource
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.base.logs import EventLog
+from ate_devplugd.config.device import qualified_name
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.config.pools import DraResource
 from ate_devplugd.dra.driver import DraDriver, DraStatus, KubeletLink
 from ate_devplugd.dra.metrics import DraMetrics
-from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.presence import KubeletPresence
-from ate_devplugd.kubelet_watch import KubeletWatch
-from ate_devplugd.logs import EventLog
-from ate_devplugd.metrics import Metrics
+from ate_devplugd.kubelet.watch import KubeletWatch
+from ate_devplugd.node.devices import DeviceRegistry, Resource
+from ate_devplugd.signals.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ate_devplugd.base.logs import EventLog
+from ate_devplugd.config.pools import Pool
 from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
 from ate_devplugd.dra.credentials import CredentialFiles
 from ate_devplugd.dra.kubeconfig import KubeconfigError
 from ate_devplugd.dra.metrics import ClaimProblem, DraMetrics
-from ate_devplugd.dra.pools import Pool
-from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import socket
 import struct
 from collections.abc import Callable
 
-from ate_devplugd.kubelet_watch import KUBELET_SOCKET, KubeletWatch
-from ate_devplugd.unixsock import FileIdentity
+from ate_devplugd.base.unixsock import FileIdentity
+from ate_devplugd.kubelet.watch import KUBELET_SOCKET, KubeletWatch
 
 log = logging.getLogger(__name__)
 

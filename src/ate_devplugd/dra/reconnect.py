@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ate_devplugd.base.logs import EventLog
 from ate_devplugd.dra.apiclient import ApiError, ApiUnavailable
 from ate_devplugd.dra.kubeconfig import KubeconfigError
-from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The gRPC side toward kubelet: DRAPlugin v1 and v1beta1, device health, and plugin registration.
 
-Each server is a ``unixserver.UnixServer``: bound under a hidden staging name (kubelet's plugin watcher
+Each server is a ``base.unixserver.UnixServer``: bound under a hidden staging name (kubelet's plugin watcher
 ignores dot-names), started, then linked into place, so kubelet never finds a socket that does not
 answer yet; a socket another process serves on is never replaced, and one that is not ours is never
 removed. The handlers only read state and await; nothing blocks the loop (kubelet gives GetInfo 1 s).
@@ -26,9 +26,9 @@ from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2 as health_pb2
 from ate_devplugd._pb.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from ate_devplugd.dra.pools import Pool
+from ate_devplugd.base.unixserver import UnixServer
+from ate_devplugd.config.pools import Pool
 from ate_devplugd.dra.prepare import ClaimRef, Preparer
-from ate_devplugd.unixserver import UnixServer
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from ate_devplugd.dra import pools, slice_plan
-from ate_devplugd.logs import EventLog
+from ate_devplugd.base.logs import EventLog
+from ate_devplugd.config import pools
+from ate_devplugd.dra import slice_plan
 
 log = logging.getLogger(__name__)
 

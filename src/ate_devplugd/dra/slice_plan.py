@@ -37,9 +37,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.dra import pools
-from ate_devplugd.dra.config import DraConfig
-from ate_devplugd.dra.pools import Pool
+from ate_devplugd.config import pools
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.config.pools import Pool
 
 
 class PublishReason(enum.Enum):

@@ -25,15 +25,15 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from ate_devplugd.backoff import Backoff
+from ate_devplugd.base.backoff import Backoff
+from ate_devplugd.base.logs import EventLog
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.config.pools import Pool
 from ate_devplugd.dra import kubeconfig, layout, node, slice_log, slice_plan
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiUnavailable, slice_path
-from ate_devplugd.dra.config import DraConfig
 from ate_devplugd.dra.credentials import CredentialFiles
 from ate_devplugd.dra.metrics import DraMetrics
-from ate_devplugd.dra.pools import Pool
 from ate_devplugd.dra.reconnect import Reconnects, Retry
-from ate_devplugd.logs import EventLog
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from ate_devplugd.dra import config
+from ate_devplugd.config import dra as config
 
 
 def parse(text: str, hostname: str = "Node-1.Example.com ") -> tuple[config.DraConfig, list[str]]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.config.pools import DraResource, build_pools
 from ate_devplugd.dra import layout
-from ate_devplugd.dra.config import DraConfig, Layout
 from ate_devplugd.dra.layout import LayoutChoice, Why
-from ate_devplugd.dra.pools import DraResource, build_pools
 
 UNSET = DraConfig(node_name="node-1")
 KVM = DraResource("ate.dev/kvm", "ate.dev/kvm=kvm")

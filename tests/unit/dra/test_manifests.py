@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from ate_devplugd import cli
-from ate_devplugd.dra import manifests
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.commands import manifests
+from ate_devplugd.config.dra import DraConfig
 from tests.fakes.apivalidation import KINDS, model_errors
 
 CONFIG = DraConfig(node_name="node-1")

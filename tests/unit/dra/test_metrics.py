@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ate_devplugd.config.dra import Layout
 from ate_devplugd.dra.apiclient import ApiErrorKind
-from ate_devplugd.dra.config import Layout
 from ate_devplugd.dra.metrics import PREPARE_BUCKETS, ClaimProblem, DraMetrics
 from ate_devplugd.dra.slice_plan import PublishReason
-from ate_devplugd.metrics import Metrics
+from ate_devplugd.signals.metrics import Metrics
 
 KVM = "ate.dev/kvm"
 VHOST = "ate.dev/vhost-net"

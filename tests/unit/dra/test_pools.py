@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.config.pools import DraResource, build_pools, class_name, new_slice, pool_name, slice_matches
 from ate_devplugd.dra import slices
 from ate_devplugd.dra.apiclient import ApiUnavailable
-from ate_devplugd.dra.config import DraConfig, Layout
-from ate_devplugd.dra.pools import DraResource, build_pools, class_name, new_slice, pool_name, slice_matches
 
 CONFIG = DraConfig(node_name="node-1", devices=3)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd.dra.config import DraConfig
+from ate_devplugd.config.dra import DraConfig
+from ate_devplugd.config.pools import DraResource
 from ate_devplugd.dra.driver import DraDriver, KubeletLink
-from ate_devplugd.dra.pools import DraResource
 from ate_devplugd.dra.presence import KubeletPresence, Presence, listener_pid
-from ate_devplugd.kubelet_watch import KubeletWatch
+from ate_devplugd.kubelet.watch import KubeletWatch
 from tests.fakes.dra_kubelet import LISTENER
 
 

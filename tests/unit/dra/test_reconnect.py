@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from ate_devplugd.base.logs import FIELD_EVENT
 from ate_devplugd.dra import reconnect
 from ate_devplugd.dra.apiclient import ApiError, ApiUnavailable
 from ate_devplugd.dra.kubeconfig import KubeconfigError
 from ate_devplugd.dra.reconnect import Reconnects
-from ate_devplugd.logs import FIELD_EVENT
 
 
 def said(caplog: pytest.LogCaptureFixture) -> list[tuple[str, int]]:

@@ -13,9 +13,9 @@ import pytest
 
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2 as reg_pb2
 from ate_devplugd._pb.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from ate_devplugd.base.unixserver import SocketInUseError
+from ate_devplugd.base.unixsock import FileIdentity, socket_answers, staging_path, unix_target
 from ate_devplugd.dra.service import DraServer, RegistrationServicer
-from ate_devplugd.unixserver import SocketInUseError
-from ate_devplugd.unixsock import FileIdentity, socket_answers, staging_path, unix_target
 
 DRIVER = "kvm.ate.dev"
 

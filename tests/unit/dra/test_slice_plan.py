@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.config.pools import DraResource, Pool, build_pools, new_slice
 from ate_devplugd.dra import slice_plan
-from ate_devplugd.dra.config import DraConfig, Layout
-from ate_devplugd.dra.pools import DraResource, Pool, build_pools, new_slice
 from ate_devplugd.dra.slice_plan import (
     Adopt,
     Change,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ate_devplugd.dra.config import Layout
+from ate_devplugd.config.dra import Layout
 from ate_devplugd.dra.driver import DraStatus, KubeletLink
 from ate_devplugd.dra.layout import LayoutChoice, Why
 from ate_devplugd.dra.slices import SliceState

@@ -1,0 +1,317 @@
+"""``ate-devplugd doctor``: will a sandbox pod that asks for our resources get a working device here?
+
+One node, one verdict: each check is one ``Finding`` (OK, WARN or FAIL, what was found, and the remedy),
+in the order a device reaches a container: the config, the devices (present with the kernel's
+major:minor, KVM able to create a VM, the host's owner and mode), the daemon (running, its sockets
+answering, registered with kubelet: ``commands/doctor/daemon.py``), kubelet (its socket, its version, the cgroup
+version), the container runtime (whether it applies our CDI names and reads our spec directory:
+``commands/doctor/runtime.py``) and, in DRA mode, the API side (``commands/doctor/dra.py``). This module runs them in
+that order and holds the checks of the host itself: the devices, kubelet and cgroups. A fleet tool
+runs it over ssh and reads ``--json``; the lines, the JSON and the exit status (1 when anything fails)
+are ``commands/findings.py``'s.
+
+Nothing here changes the node: the KVM check creates a VM and closes it at once, the daemon's sockets
+get the calls ``probe`` makes, the runtime gets the questions the daemon asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import grp
+import os
+import posixpath
+import pwd
+import re
+import shutil
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ate_devplugd import config as configmod
+from ate_devplugd.base.unixsock import socket_answers
+from ate_devplugd.commands.doctor import daemon as doctor_daemon
+from ate_devplugd.commands.doctor import runtime as doctor_runtime
+from ate_devplugd.commands.findings import Finding, Level, fail, ok, warn
+from ate_devplugd.config import Config, ConfigError
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.cri import ask as runtime_ask
+from ate_devplugd.cri import facts as runtime_facts
+from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
+from ate_devplugd.kubelet.watch import KUBELET_SOCKET
+from ate_devplugd.node import devices
+from ate_devplugd.node.kernel import KernelView
+
+#: Where ``kubelet --version`` is looked for when it is not on PATH.
+KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet")
+#: How long a call to a socket, kubelet or the API server may take.
+TIMEOUT = 5.0
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+@dataclass
+class Node:
+    """Where the doctor looks: the real node by default; tests point it elsewhere."""
+
+    kernel: KernelView
+    #: Finds the kubelet binary (None where the node has none); default: ``find_kubelet``.
+    find_kubelet: Callable[[], str | None] | None = None
+    mountinfo: str = MOUNTINFO
+    #: The daemon's metrics file is read for what only the daemon knows (registration).
+    read_metrics: Callable[[str], str] = field(default=lambda path: Path(path).read_text(encoding="utf-8"))
+    #: Where the running kubelet is looked for (its runtime endpoint).
+    proc_root: str = "/proc"
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> list[Finding]:
+    """Every check, in order; a config that does not load is the only finding that stops the rest."""
+    try:
+        cfg = configmod.load(config_path)
+    except ConfigError as exc:
+        where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
+        return [
+            fail("config", line if where in line else f"{where}: {line}", "fix the file (ate-devplugd check-config)")
+            for line in exc.errors
+        ]
+    source = str(config_path) if config_path else _default_source()
+    findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    endpoint = runtime_ask.discover(cfg.runtime_socket, node.proc_root)
+    report = await runtime_ask.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
+    for dev in cfg.devices:
+        findings += device_findings(cfg, dev, node.kernel, report)
+    findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
+    findings += await kubelet_findings(cfg, node)
+    findings += doctor_runtime.findings(cfg, report, endpoint)
+    if cfg.mode == "dra" and cfg.dra is not None:
+        from ate_devplugd.commands.doctor import dra as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
+
+        findings += await dra_doctor.findings(cfg, cfg.dra, TIMEOUT)
+    return findings
+
+
+def _default_source() -> str:
+    path = configmod.DEFAULT_CONFIG_PATH
+    return path if os.path.exists(path) else "built-in defaults"
+
+
+# -- devices ---------------------------------------------------------------------------------------
+
+
+def is_kvm(dev: DeviceConfig) -> bool:
+    return dev.probe == "kvm" or posixpath.basename(dev.path) == "kvm"
+
+
+def device_findings(cfg: Config, dev: DeviceConfig, kernel: KernelView, report: RuntimeReport) -> list[Finding]:
+    """Present with the kernel's major:minor; for KVM, a VM can be created; the host's owner and mode."""
+    check = f"device {dev.resource}"
+    look = devices.presence(dev, cfg.dev_root, kernel)
+    if not look.present:
+        if os.path.isdir(devices.node_path(dev, cfg.dev_root)):
+            remedy = "set path to the device node: a directory is none (ate-devplugd check-config says so)"
+        elif is_kvm(dev):
+            remedy = _load_kvm_remedy()
+        else:
+            remedy = f"load the module that provides {dev.path}"
+        return [fail(check, look.reason, remedy)]
+    out = [ok(check, f"{dev.path}: {look.reason}")]
+    node = devices.node_path(dev, cfg.dev_root)
+    if is_kvm(dev):
+        out.append(kvm_finding(dev, node, kernel))
+    out.append(access_finding(cfg, dev, node, report))
+    return out
+
+
+def _load_kvm_remedy() -> str:
+    return "load kvm_intel or kvm_amd (modprobe) with virtualisation on in the firmware"
+
+
+def kvm_finding(dev: DeviceConfig, node: str, kernel: KernelView) -> Finding:
+    """A node that answers KVM_GET_API_VERSION but cannot create a VM runs no guest."""
+    check = f"kvm {dev.resource}"
+    try:
+        version = kernel.kvm_api_version(node)
+        if version != devices.KVM_API_VERSION:
+            return fail(check, f"KVM_GET_API_VERSION returned {version}, not {devices.KVM_API_VERSION}")
+        kernel.kvm_create_vm(node)
+    except PermissionError as exc:
+        return warn(check, f"cannot open {node} as uid {os.geteuid()} ({exc.strerror})", "run doctor as root")
+    except OSError as exc:
+        return fail(
+            check,
+            f"{node} answers KVM_GET_API_VERSION but KVM_CREATE_VM fails ({errno.errorcode.get(exc.errno or 0, '?')}: "
+            f"{exc.strerror}): virtualisation is off in the firmware, or this machine (a cloud instance without "
+            "nested virtualisation) cannot run guests",
+            "turn on VT-x/AMD-V in the firmware, or use an instance type with nested virtualisation",
+        )
+    return ok(check, f"KVM API {devices.KVM_API_VERSION}; KVM_CREATE_VM works")
+
+
+def _owner(st: os.stat_result) -> str:
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"{stat.S_IMODE(st.st_mode):04o} {user}:{group}"
+
+
+def access_finding(  # noqa: PLR0911 - one return per verdict
+    cfg: Config, dev: DeviceConfig, node: str, report: RuntimeReport
+) -> Finding:
+    """What a container asking for the resource will get, for the runtime's verdict: the spec's owner and
+    mode (applied), the host's (not applied, or no CDI for it), no container at all (our spec directory
+    not read), or nothing that can be told (unknown)."""
+    check = f"access {dev.resource}"
+    try:
+        st = os.stat(node)
+    except OSError as exc:
+        return warn(check, f"cannot stat {node}: {exc.strerror}")
+    host = _owner(st)
+    open_to_all = stat.S_IMODE(st.st_mode) & 0o006 == 0o006
+    eacces = f"a VMM that is not root (nor in the node's gid {st.st_gid}) gets EACCES"
+    if not dev.cdi:
+        if open_to_all:
+            return ok(check, f"host {host}: any user in a container opens it")
+        return warn(
+            check, f"host {host}: {eacces}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)"
+        )
+    verdict = report.verdict
+    if verdict is CdiVerdict.APPLIED:
+        return ok(
+            check, f"host {host}; containers get {_spec_access(dev)} through CDI, so a VMM that is not root opens it"
+        )
+    if verdict is CdiVerdict.DIR_NOT_READ:
+        why = f"host {host}; no container that asks for it is created: the runtime does not read {cfg.cdi_dir}"
+        return warn(check, f"{why} (unresolvable CDI devices)", "fix the runtime line below")
+    if verdict is CdiVerdict.UNKNOWN:
+        why = "runtime not found" if not report.name else "see runtime"
+        return warn(check, f"host {host}; cannot tell what containers get ({why})", "see the runtime line below")
+    if cfg.mode == "dra":
+        return warn(
+            check,
+            f"host {host}; containers get no device: DRA hands it over through CDI only",
+            "fix the runtime line below",
+        )
+    if open_to_all:
+        return ok(check, f"host {host}: the runtime ignores the CDI spec, but any user in a container opens it")
+    return warn(
+        check,
+        f"host {host}: {eacces}: the runtime does not apply its CDI spec (see runtime)",
+        "fix the runtime line below",
+    )
+
+
+def _spec_access(dev: DeviceConfig) -> str:
+    """The node's mode and owner in a container, as the CDI spec makes them: ``0666 (owned by 1000:1000)``;
+    without uid and gid in the spec a runtime gives the node to the container's user (node/cdi.py)."""
+    if dev.container_uid is None and dev.container_gid is None:
+        return f"{dev.node_mode:04o} (owned by the container's user)"
+    uid = "-" if dev.container_uid is None else str(dev.container_uid)
+    gid = "-" if dev.container_gid is None else str(dev.container_gid)
+    return f"{dev.node_mode:04o} (owned by {uid}:{gid})"
+
+
+# -- kubelet, cgroups ------------------------------------------------------------------------------
+
+
+def find_kubelet(paths: Sequence[str] = KUBELET_PATHS) -> str | None:
+    """kubelet on PATH, else in the usual places."""
+    return shutil.which("kubelet") or next((p for p in paths if os.access(p, os.X_OK)), None)
+
+
+async def kubelet_version(binary: str | None) -> tuple[str, str] | None:
+    """(binary, ``v1.31.2``) from ``kubelet --version``, or None where there is no kubelet binary."""
+    if binary is None:
+        return None
+    proc = await asyncio.create_subprocess_exec(
+        binary, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return binary, ""
+    m = re.search(r"v\d+\.\d+\.\d+\S*", out.decode(errors="replace"))
+    return binary, m[0] if m else ""
+
+
+def kubelet_needs(cfg: Config, version: tuple[int, int, int]) -> tuple[Level, str]:  # noqa: PLR0911 - one per rule
+    """Whether a kubelet this old serves what the config asks (KEP-4009 for device plugins' CDI names;
+    DRAExtendedResource and DRAConsumableCapacity for DRA mode)."""
+    if cfg.mode == "dra":
+        sharing = cfg.dra.sharing if cfg.dra is not None else "units"
+        gates = "DRAExtendedResource" + (" and DRAConsumableCapacity" if sharing == "shared" else "")
+        if version < (1, 34, 0):
+            return Level.FAIL, "DRA mode needs 1.34 or later"
+        if version < (1, 36, 0):
+            return (
+                Level.WARN,
+                f"DRA mode on 1.34-1.35 needs the {gates} feature gate(s) on (apiserver, scheduler, kubelet)",
+            )
+        return Level.OK, "new enough for DRA mode"
+    if not any(dev.cdi for dev in cfg.devices):
+        return Level.OK, "serves the device-plugin API v1beta1"
+    if version < (1, 28, 0):
+        return Level.FAIL, "passes device plugins' CDI names to the runtime only from 1.28"
+    if version < (1, 29, 0):
+        return Level.WARN, "1.28 passes CDI names only with the DevicePluginCDIDevices feature gate on"
+    return Level.OK, "passes CDI names to the runtime"
+
+
+def cgroup_version(mountinfo: str) -> str:
+    """``v2``, ``hybrid`` (v1 controllers beside a v2 tree) or ``v1``, from /sys/fs/cgroup's mounts."""
+    kinds: dict[str, str] = {}
+    try:
+        lines = Path(mountinfo).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return "unknown"
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, fstype = left.split(), right.split()[:1]
+        if len(fields) > 4 and fstype:
+            kinds[fields[4]] = fstype[0]
+    if kinds.get("/sys/fs/cgroup") == "cgroup2":
+        return "v2"
+    if kinds.get("/sys/fs/cgroup/unified") == "cgroup2":
+        return "hybrid"
+    return "v1" if any(v == "cgroup" for v in kinds.values()) else "unknown"
+
+
+async def kubelet_findings(cfg: Config, node: Node) -> list[Finding]:
+    out = []
+    sock = posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)
+    if not os.path.exists(sock):
+        out.append(fail("kubelet", f"no {sock}: kubelet is not running", "systemctl start kubelet"))
+    elif not socket_answers(sock):
+        out.append(
+            fail("kubelet", f"{sock} does not answer (kubelet stopped or restarting)", "systemctl status kubelet")
+        )
+    else:
+        out.append(ok("kubelet", f"{sock} answers"))
+    found = await kubelet_version((node.find_kubelet or find_kubelet)())
+    parsed = runtime_facts.parse_version(found[1]) if found else None
+    if found is None:
+        out.append(warn("kubelet version", "no kubelet binary on this node: version not checked"))
+    elif parsed is None:
+        out.append(warn("kubelet version", f"{found[0]} --version gave no version"))
+    else:
+        level, why = kubelet_needs(cfg, parsed)
+        remedy = "upgrade kubelet" if level is not Level.OK else ""
+        out.append(Finding("kubelet version", level, f"{found[1]}: {why}", remedy))
+    cgroups = cgroup_version(node.mountinfo)
+    explain = {
+        "v2": "the runtime grants the device with an eBPF device program",
+        "hybrid": "v1 device controller beside a v2 tree",
+        "v1": "the runtime grants the device through the devices controller",
+    }.get(cgroups, "not found")
+    out.append(ok("cgroup", f"{cgroups}: {explain}") if cgroups != "unknown" else warn("cgroup", "version unknown"))
+    return out

@@ -1,0 +1,319 @@
+"""Configuration: a TOML file, validated field by field into frozen dataclasses.
+
+Loading touches the file system only to read the one file (a group name in ``container_gid`` is
+looked up in the host's group database, and DRA mode's default node name is the host name); every
+error names the key, the ``[[device]]`` table it sits in and the bad value (as TOML), and all errors
+are reported together. ``review``, for ``check-config`` only, also looks at each device path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ate_devplugd.base.toml_text import toml_str, toml_value
+from ate_devplugd.config import device as device_config
+from ate_devplugd.config.device import DeviceConfig, GroupLookup, host_gid, qualified_name
+
+if TYPE_CHECKING:
+    from ate_devplugd.config.dra import DraConfig
+
+DEFAULT_CONFIG_PATH = "/etc/ate-devplugd/config.toml"
+DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+#: CDI's standard directory for specs a program writes at run time (containerd, CRI-O and podman read it).
+DEFAULT_CDI_DIR = "/var/run/cdi"
+#: node_exporter's textfile directory on Debian, and our file in it.
+DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Where the daemon keeps the config it runs (the unit's RuntimeDirectory=; systemd passes it as
+#: $RUNTIME_DIRECTORY), for `probe` when the file on disk does not parse.
+DEFAULT_RUNTIME_DIR = "/run/ate-devplugd"
+RUNNING_CONFIG_NAME = "running-config.toml"
+#: Keys a reload cannot change: the plugin directory (the instance lock and the sockets' home), the mode
+#: and the ``[dra]`` table (a new mode would read the devices under other rules: DRA mode gives each a CDI
+#: spec).
+RESTART_ONLY = ("plugin_dir", "mode", "dra")
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "diff",
+    "load",
+    "parse",
+    "render",
+    "restart_only_change",
+    "running_config_path",
+]
+
+
+class ConfigError(Exception):
+    """One or more configuration errors; each line names the field and the bad value."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+DEFAULT_DEVICES = (DeviceConfig(resource="ate.dev/kvm", path="/dev/kvm"),)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole daemon configuration."""
+
+    plugin_dir: str = DEFAULT_PLUGIN_DIR
+    dev_root: str = "/"
+    log_level: str = "info"
+    cdi_dir: str = DEFAULT_CDI_DIR
+    #: The metrics file for node_exporter's textfile collector; "" turns metrics off.
+    metrics_file: str = DEFAULT_METRICS_FILE
+    #: The container runtime's CRI socket, asked whether it applies CDI; "" for the first usual one that exists.
+    runtime_socket: str = ""
+    devices: tuple[DeviceConfig, ...] = field(default=DEFAULT_DEVICES)
+    #: ``device-plugin`` (kubelet's device-plugin API) or ``dra`` (a DRA driver); never both at once.
+    mode: str = "device-plugin"
+    #: The ``[dra]`` table: read in DRA mode, and checked whenever it is given.
+    dra: DraConfig | None = None
+    #: No ``[[device]]`` table was read: ``devices`` are the defaults (``check-config`` says so).
+    devices_defaulted: bool = field(default=False, compare=False)
+
+    def with_overrides(
+        self, *, plugin_dir: str | None = None, dev_root: str | None = None, log_level: str | None = None
+    ) -> Config:
+        """Apply command-line overrides, validated like the file's values."""
+        errors: list[str] = []
+        changes: dict[str, Any] = {}
+        if plugin_dir is not None:
+            changes["plugin_dir"] = _abs_dir("--plugin-dir", plugin_dir, errors)
+        if dev_root is not None:
+            changes["dev_root"] = _abs_dir("--dev-root", dev_root, errors)
+        if log_level is not None:
+            changes["log_level"] = _log_level("--log-level", log_level, errors)
+        if errors:
+            raise ConfigError(errors)
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ConfigDiff:
+    """Resource names by what a new config does to them, each in the new (or old) config's order."""
+
+    added: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+def diff(old: Config, new: Config) -> ConfigDiff:
+    """Compare the ``[[device]]`` tables of two configs by resource name (a resource's identity)."""
+    before = {dev.resource: dev for dev in old.devices}
+    after = {dev.resource: dev for dev in new.devices}
+    return ConfigDiff(
+        added=tuple(name for name in after if name not in before),
+        changed=tuple(name for name in after if name in before and after[name] != before[name]),
+        removed=tuple(name for name in before if name not in after),
+        unchanged=tuple(name for name in after if name in before and after[name] == before[name]),
+    )
+
+
+def restart_only_change(running: Config, new: Config) -> str | None:
+    """One line naming each restart-only key (``RESTART_ONLY``) ``new`` changes, new value first, as TOML;
+    None when a reload may apply ``new``."""
+    parts = []
+    for key in RESTART_ONLY:
+        was, now = getattr(running, key), getattr(new, key)
+        if now == was:
+            continue
+        if key == "dra":  # a table: said in a word
+            parts.append("[dra] " + ("added" if was is None else "removed" if now is None else "changed"))
+        else:
+            parts.append(f"{key} = {toml_value(now)} (running: {toml_value(was)})")
+    if not parts:
+        return None
+    verb = "changes" if len(parts) == 1 else "change"
+    return f"{', '.join(parts)}: {verb} only on restart, so nothing of this reload was applied"
+
+
+def running_config_path(environ: Mapping[str, str] = os.environ) -> str:
+    """The running daemon's copy of its config: in $RUNTIME_DIRECTORY (its first entry) when systemd
+    set it, else in ``DEFAULT_RUNTIME_DIR``."""
+    runtime_dir = environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or DEFAULT_RUNTIME_DIR
+    return posixpath.join(runtime_dir, RUNNING_CONFIG_NAME)
+
+
+def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) -> Config:
+    """Read and validate the config file; ``None`` or a missing default file gives the defaults."""
+    if path is None:
+        if not os.path.exists(DEFAULT_CONFIG_PATH):
+            return Config(devices_defaulted=True)
+        path = DEFAULT_CONFIG_PATH
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError([f"cannot read {os.fspath(path)}: {exc.strerror or exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"cannot read {os.fspath(path)}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"]
+        ) from exc
+    return parse(text, source=str(path), gid_of=gid_of)
+
+
+def parse(text: str, source: str = "<config>", gid_of: GroupLookup = host_gid) -> Config:
+    """Parse TOML text into a validated Config (group names resolved with ``gid_of``)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from exc
+    return from_mapping(data, gid_of)
+
+
+def from_mapping(
+    data: Mapping[str, Any], gid_of: GroupLookup = host_gid, gethostname: Callable[[], str] = socket.gethostname
+) -> Config:
+    """Validate an already-parsed mapping (the TOML document)."""
+    errors: list[str] = []
+    known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket", "device", "mode"}
+    known.add("dra")
+    errors.extend(f"unknown key {toml_value(key)}" for key in data if key not in known)
+    top: dict[str, Any] = {}
+    for key in ("plugin_dir", "dev_root", "cdi_dir"):
+        if key in data:
+            top[key] = _abs_dir(key, data[key], errors)
+    if "log_level" in data:
+        top["log_level"] = _log_level("log_level", data["log_level"], errors)
+    if "metrics_file" in data:
+        top["metrics_file"] = _metrics_file(data["metrics_file"], errors)
+    if "runtime_socket" in data:
+        top["runtime_socket"] = _runtime_socket(data["runtime_socket"], errors)
+    mode = "device-plugin"
+    if "mode" in data or "dra" in data:
+        # DRA mode's checks are read only where the file speaks of it (they cost start-up a few ms).
+        from ate_devplugd.config import dra as dra_config  # noqa: PLC0415
+
+        mode, mode_errors = dra_config.validate_mode(data.get("mode"))
+        errors.extend(mode_errors)
+        top["mode"] = mode
+        if mode == "dra" or "dra" in data:
+            top["dra"], dra_errors = dra_config.from_mapping(data.get("dra"), gethostname)
+            errors.extend(dra_errors)
+    # DRA hands a device to a container only through a CDI spec: in DRA mode every device has one.
+    defaults = [{"resource": dev.resource, "path": dev.path} for dev in DEFAULT_DEVICES]
+    devices = data.get("device", defaults if mode == "dra" else None)
+    if devices is not None:
+        top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
+    top["devices_defaulted"] = "device" not in data
+    if mode == "dra" and not errors:
+        from ate_devplugd.config.pools import DraResource, build_pools  # noqa: PLC0415
+
+        offered = [DraResource(dev.resource, qualified_name(dev)) for dev in top["devices"]]
+        errors.extend(build_pools(top["dra"], offered)[1])
+    if errors:
+        raise ConfigError(errors)
+    return Config(**top)
+
+
+@dataclass(frozen=True)
+class Review:
+    """What ``check-config`` says of a valid config beyond the file itself, one line each."""
+
+    #: A device path that cannot be a device node on this host (a directory): exit 78, as for the file's errors.
+    errors: tuple[str, ...]
+    #: Legal but costly settings (``count`` above COSTLY_COUNT): said, exit 0.
+    warnings: tuple[str, ...]
+    #: What the file leaves to the defaults that a reader may not expect.
+    notes: tuple[str, ...]
+
+
+def review(config: Config) -> Review:
+    """Look at a loaded config as ``check-config`` does: each device path on this host (under
+    ``dev_root``), what each ``count`` costs kubelet, and whether the devices are the defaults.
+
+    ``check-config`` and a reload call this: at start the daemon serves a path that is a directory as an
+    absent device (it may become the node later) and says so in STATUS, but a reload refuses what
+    ``check-config`` refuses, so that a config the command refuses is never applied by a reload either.
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    notes: list[str] = []
+    for index, dev in enumerate(config.devices):
+        where = f"device[{index}] ({dev.resource})"
+        if os.path.isdir(posixpath.join(config.dev_root, dev.path.lstrip("/"))):
+            errors.append(
+                f"{where}: path: {toml_value(dev.path)} is a directory; path names a device node, e.g. '/dev/kvm'"
+            )
+        if dev.count > device_config.COSTLY_COUNT and config.mode == "device-plugin":  # DRA: dra.devices
+            warnings.append(f"{where}: count: {dev.count} {device_config.count_cost(dev.count)}")
+    if config.devices_defaulted:
+        default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
+        notes.append(f"no [[device]] table: serving the default {default}")
+    return Review(tuple(errors), tuple(warnings), tuple(notes))
+
+
+def _abs_dir(key: str, value: object, errors: list[str]) -> str:
+    if not isinstance(value, str):
+        errors.append(f"{key}: must be a string, not {toml_value(value)}")
+    elif not value.startswith("/") or "\0" in value:
+        errors.append(f"{key}: must be an absolute path, not {toml_value(value)}")
+    else:
+        return posixpath.normpath(value)
+    return ""
+
+
+def _metrics_file(value: object, errors: list[str]) -> str:
+    if value == "":
+        return ""
+    if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
+        errors.append(f'metrics_file: must be an absolute path or "" (off), not {toml_value(value)}')
+    elif not value.endswith(".prom") or posixpath.basename(value) == ".prom":
+        errors.append(
+            f"metrics_file: {toml_value(value)} must name a *.prom file "
+            "(the only files node_exporter's textfile collector reads)"
+        )
+    else:
+        return posixpath.normpath(value)
+    return ""
+
+
+def _runtime_socket(value: object, errors: list[str]) -> str:
+    if value == "":
+        return ""
+    if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
+        errors.append(
+            f'runtime_socket: must be an absolute path or "" (the usual runtime sockets), not {toml_value(value)}'
+        )
+        return ""
+    return posixpath.normpath(value)
+
+
+def _log_level(key: str, value: object, errors: list[str]) -> str:
+    if isinstance(value, str) and value.lower() in LOG_LEVELS:
+        return value.lower()
+    errors.append(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {toml_value(value)}")
+    return "info"
+
+
+def render(config: Config) -> str:
+    """The effective configuration, as TOML that ``parse`` reads back to the same Config."""
+    lines = [
+        f"plugin_dir = {toml_str(config.plugin_dir)}",
+        f"dev_root = {toml_str(config.dev_root)}",
+        f"log_level = {toml_str(config.log_level)}",
+        f"cdi_dir = {toml_str(config.cdi_dir)}",
+        f"metrics_file = {toml_str(config.metrics_file)}",
+        f"runtime_socket = {toml_str(config.runtime_socket)}",
+    ]
+    lines.append(f"mode = {toml_str(config.mode)}")
+    for dev in config.devices:
+        lines += ["", *device_config.render(dev)]
+    if config.dra is not None:
+        from ate_devplugd.config import dra as dra_config  # noqa: PLC0415
+
+        lines += ["", dra_config.render(config.dra).rstrip("\n")]
+    return "\n".join(lines) + "\n"

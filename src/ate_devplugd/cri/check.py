@@ -1,0 +1,259 @@
+"""The daemon's check of what the node's container runtime does with our CDI names, following its socket.
+
+``RuntimeCheck`` asks the runtime (``cri.ask.ask``) at start, on reload, when kubelet starts and
+whenever the runtime's socket is created again; the socket is the one ``cri.ask.discover`` finds
+(ours, else kubelet's, else the usual ones: ``cri.endpoint``), found again at each start. Each answer
+also points the spec check (``cri.conflicts.SpecCheck``) at the spec directories the runtime reads (the
+CDI library's defaults where it does not say).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import posixpath
+from collections.abc import Callable
+from typing import Any
+
+from ate_devplugd.base.backoff import Backoff
+from ate_devplugd.base.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.logs import EventLog
+from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.cri import conflicts as cdi_conflicts
+from ate_devplugd.cri.ask import absent_report, ask, discover
+from ate_devplugd.cri.conflicts import SpecCheck
+from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS, Endpoint
+from ate_devplugd.cri.facts import CDI_DEFAULT_SPEC_DIRS, CdiVerdict, RuntimeReport, consequence
+from ate_devplugd.cri.rules import SpecProblem
+
+log = logging.getLogger(__name__)
+
+#: How long after the first inotify event on a runtime socket the runtime is asked: a starting containerd
+#: removes its old socket and creates the new one (and its ttrpc socket) within milliseconds, and the
+#: whole burst is one question.
+SETTLE_DELAY = 0.05
+#: A runtime whose socket is there but that answers with an error is asked again, the delays doubling
+#: from ``RETRY_FIRST`` up to ``RETRY_CAP``, for ``RETRY_FOR`` seconds: containerd creates its socket
+#: before its CRI service has initialized and answers "server is not initialized yet" until it has, and
+#: no event marks that moment. After that, only the next event asks again.
+RETRY_FIRST = 0.1
+RETRY_CAP = 5.0
+RETRY_FOR = 60.0
+
+
+class RuntimeCheck:
+    """The daemon's question to the runtime: asked at start, on reload, when kubelet starts, and whenever
+    the runtime's socket is created again (containerd and CRI-O create theirs anew at every start); on a
+    timer only while a runtime that is there gives no answer (see below). Each ask replaces one still
+    running. It runs beside everything else on the loop, so a runtime that is slow or absent delays
+    nothing. Each new verdict is logged once (a warning when the names will not work, info otherwise)
+    and shown in STATUS and the metrics.
+
+    The socket is followed by inotify on its directory (``DirWatcher``, on the loop): the one ``discover``
+    named (``runtime_socket``, or kubelet's), else the directory of each usual socket (a directory not
+    there yet is waited for from its nearest existing ancestor). The watch is installed before the first
+    question, so no start of the runtime falls between the two. When the socket the verdict came from is
+    removed, the verdict is UNKNOWN at once (a stopped runtime applies nothing); a socket created (or a
+    directory back, or lost events) asks again ``SETTLE_DELAY`` after the first event, one question for
+    the whole burst. A runtime that is there but answers with an error is asked again on a doubling delay
+    for a while (``RETRY_FOR``): no event says when a starting runtime is ready to answer."""
+
+    def __init__(
+        self,
+        on_report: Callable[[RuntimeReport | None], None],
+        asker: Callable[[str, str], Any] = ask,
+        proc_root: str = "/proc",
+    ) -> None:
+        self._on_report = on_report
+        self._ask = asker
+        self._task: asyncio.Task[None] | None = None
+        self._report: RuntimeReport | None = None
+        self._logged: tuple[CdiVerdict, str, str] | None = None
+        self._mode = "device-plugin"
+        self._socket = ""
+        self._cdi_dir = ""
+        self._watched: tuple[str, ...] = ()
+        self._watchers: list[DirWatcher] = []
+        self._settle: asyncio.TimerHandle | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_until: float | None = None
+        self._backoff = Backoff(RETRY_FIRST, RETRY_CAP)
+        self._devices: tuple[DeviceConfig, ...] = ()
+        self._specs = SpecCheck(self._specs_changed)
+        self._proc_root = proc_root
+        self._endpoint: Endpoint | None = None
+
+    @property
+    def report(self) -> RuntimeReport | None:
+        """The latest verdict; None while the check is off or has not answered yet."""
+        return self._report
+
+    @property
+    def watched(self) -> tuple[str, ...]:
+        """The sockets whose directories are watched (empty while the check is off)."""
+        return self._watched
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """The runtime socket chosen at the last start, and why (None before the first)."""
+        return self._endpoint
+
+    @property
+    def spec_problems(self) -> tuple[SpecProblem, ...]:
+        """Other specs that define our names, and specs of ours that do not load, in the runtime's spec
+        directories (empty while the check is off)."""
+        return self._specs.problems
+
+    def status_parts(self) -> list[str]:
+        """What STATUS says of the runtime: its verdict once it answered, then any problem with the specs."""
+        parts = [] if self._report is None else [f"cdi: {self._report.describe()}"]
+        specs = cdi_conflicts.status(self._specs.problems)
+        return [*parts, specs] if specs else parts
+
+    def start(
+        self, *, socket: str, cdi_dir: str, mode: str, enabled: bool, devices: tuple[DeviceConfig, ...] = ()
+    ) -> None:
+        """Ask again (or stop asking, when no resource needs CDI: a later verdict is then logged anew);
+        ``devices``: those whose names the spec check looks for."""
+        self._cancel()
+        self._retry_until = None
+        if not enabled:
+            self._unwatch()
+            self._specs.close()
+            self._logged = None
+            self._set(None)
+            return
+        endpoint = self._endpoint = discover(socket, self._proc_root)
+        self._mode, self._socket, self._cdi_dir, self._devices = mode, endpoint.socket, cdi_dir, devices
+        self._watch((endpoint.socket,) if endpoint.named else DEFAULT_RUNTIME_SOCKETS)
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(endpoint.socket, cdi_dir), name="runtime CDI check"
+        )
+
+    async def close(self) -> None:
+        task = self._task
+        self._cancel()
+        self._unwatch()
+        self._specs.close()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _cancel(self) -> None:
+        for handle in (self._settle, self._retry):
+            if handle is not None:
+                handle.cancel()
+        self._settle = self._retry = None
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._task = None
+
+    # -- following the socket ----------------------------------------------------------------------
+    def _watch(self, sockets: tuple[str, ...]) -> None:
+        """One watch per directory holding one of ``sockets`` (kept when they are the ones watched)."""
+        if sockets == self._watched:
+            return
+        self._unwatch()
+        names: dict[str, set[str]] = {}
+        for path in sockets:
+            directory, name = posixpath.split(posixpath.normpath(path))
+            names.setdefault(directory, set()).add(name)
+        for directory, wanted_names in names.items():
+            watcher = DirWatcher(directory, functools.partial(self._on_dir_events, frozenset(wanted_names)))
+            try:
+                watcher.start()
+            except OSError as exc:
+                watcher.close()
+                EventLog(log).warning(
+                    EVENT_UNWATCHED,
+                    "cdi: cannot watch %s for the runtime's socket (%s); the runtime is asked again only on "
+                    "reload and when kubelet starts",
+                    directory,
+                    exc.strerror or exc,
+                )
+                continue
+            self._watchers.append(watcher)
+        self._watched = sockets
+
+    def _unwatch(self) -> None:
+        for watcher in self._watchers:
+            watcher.close()
+        self._watchers = []
+        self._watched = ()
+
+    def _on_dir_events(self, names: frozenset[str], events: list[DirEvent]) -> None:
+        if not any(ev.name in names if ev.kind in ("created", "removed") else True for ev in events):
+            return
+        report = self._report
+        if report is not None and report.socket and not os.path.exists(report.socket):
+            # The runtime the verdict came from is gone: it applies nothing now, whatever it said.
+            self._cancel()
+            gone = absent_report(self._socket) or RuntimeReport(
+                CdiVerdict.UNKNOWN, f"no runtime socket at {report.socket}", socket=report.socket
+            )
+            self._log(gone)
+            self._set(gone)
+        if self._settle is None:
+            self._settle = asyncio.get_running_loop().call_later(SETTLE_DELAY, self._settled)
+
+    def _settled(self) -> None:
+        self._settle = None
+        self._cancel()
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(self._socket, self._cdi_dir), name="runtime CDI check"
+        )
+
+    # -- the verdict -------------------------------------------------------------------------------
+    async def _run(self, socket: str, cdi_dir: str) -> None:
+        report: RuntimeReport = await self._ask(socket, cdi_dir)
+        self._log(report)
+        self._set(report)
+        self._specs.start(report.spec_dirs or CDI_DEFAULT_SPEC_DIRS, cdi_dir, self._devices)
+        self._retry_if_unanswered(report)
+
+    def _retry_if_unanswered(self, report: RuntimeReport) -> None:
+        """Ask again later while a runtime that is there gives no answer, for ``RETRY_FOR`` at most."""
+        loop = asyncio.get_running_loop()
+        if not report.unanswered:
+            self._retry_until = None
+            return
+        if self._retry_until is None:
+            self._retry_until = loop.time() + RETRY_FOR
+            self._backoff.reset()
+        if loop.time() < self._retry_until:
+            self._retry = loop.call_later(self._backoff.next(), self._asked_again)
+
+    def _asked_again(self) -> None:
+        self._retry = None
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(self._socket, self._cdi_dir), name="runtime CDI check"
+        )
+
+    def _specs_changed(self) -> None:
+        """The spec check found problems, or they are gone: the owner shows them (STATUS)."""
+        if self._report is not None:
+            self._on_report(self._report)
+
+    def _set(self, report: RuntimeReport | None) -> None:
+        if report != self._report:
+            self._report = report
+            self._on_report(report)
+
+    def _log(self, report: RuntimeReport) -> None:
+        key = (report.verdict, report.runtime, report.reason)
+        if key == self._logged:
+            return
+        self._logged = key
+        events = EventLog(log)
+        if report.verdict in (CdiVerdict.NOT_APPLIED, CdiVerdict.DIR_NOT_READ):
+            events.warning(EVENT_NOT_APPLIED, "cdi: %s; %s", report.describe(), consequence(report.verdict, self._mode))
+        else:
+            events.info(EVENT_RUNTIME, "cdi: %s", report.describe())
+
+
+#: Journal events: a verdict under which our CDI names will not work, and any other verdict.
+EVENT_NOT_APPLIED = "cdi-not-applied"
+EVENT_RUNTIME = "cdi-runtime"
+#: Journal event: the runtime socket's directory cannot be watched (the verdict then follows less).
+EVENT_UNWATCHED = "cdi-unwatched"

@@ -1,0 +1,299 @@
+"""The daemon's lifecycle: start-up, the main loop, reload and shutdown, on one asyncio loop.
+
+Start-up takes the instance lock, then applies the config from nothing; a reload applies a re-read one
+over the running one. Both are one method, ``Daemon._apply``, whose docstring gives the one order of its
+steps (watch, then read the state, then serve: each socket proves it answers before it registers).
+READY=1 goes out once every present device has been served, whether or not kubelet is there; the
+metrics file follows from then on, and so does the question to the container runtime whether it applies
+our CDI names (``cri.check.RuntimeCheck``: asked again on reload, when kubelet starts and when the
+runtime's socket is created again; "unknown" as soon as it goes; on a timer only while a runtime that is
+there does not answer yet). The main loop sleeps until a signal's flag is set; the only timers are the
+watchdog ping, the sessions' and the runtime check's back-offs and the coalescing delays of the metrics
+file and of the runtime socket's events. A reload is applied whole or
+not at all: ``reload.decision`` refuses it before anything changes, and ``reload.report`` says how each
+one went (STATUS, journal, counters, and the record ``ate-devplugd reload`` waits for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ate_devplugd.base.grpc_compat import grpc_runtime
+from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.unixserver import SocketInUseError
+from ate_devplugd.config import Config, ConfigDiff, diff
+from ate_devplugd.cri.check import RuntimeCheck
+from ate_devplugd.cri.facts import RuntimeReport, wanted
+from ate_devplugd.deviceplugin.plugins import DevicePlugins
+from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError, make_plugin_dir, no_permission
+from ate_devplugd.kubelet.watch import KubeletWatch
+from ate_devplugd.node.devices import Resource
+from ate_devplugd.node.kernel import KernelView
+from ate_devplugd.node.watch import DeviceWatch, MonitorFactory
+from ate_devplugd.reload.decision import ReloadRefused, accept, sockets_in_use
+from ate_devplugd.reload.report import ReloadReport
+from ate_devplugd.reload.rundir import RuntimeFiles
+from ate_devplugd.signals.metrics import Metrics
+from ate_devplugd.signals.notify import Notifier, watchdog_interval
+from ate_devplugd.signals.textfile import TextfileWriter
+
+if TYPE_CHECKING:
+    from ate_devplugd.dra.mode import DraMode
+
+log = logging.getLogger(__name__)
+
+
+class Daemon:
+    """Everything the running daemon owns; built once by the CLI (or a test) and given its dependencies."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        reload_config: Callable[[], Config] | None = None,
+        kernel: KernelView | None = None,
+        monitor_factory: MonitorFactory | None = None,
+        notifier: Notifier | None = None,
+        running_config: str | None = None,
+        reload_result: str | None = None,
+    ) -> None:
+        self.config = config
+        self._reload_config = reload_config
+        #: What `probe` and `reload` read in the runtime directory (the CLI gives the paths under systemd).
+        self._files = RuntimeFiles(running_config, reload_result)
+        self._kernel = kernel
+        self._monitor_factory = monitor_factory
+        self._notifier = notifier or Notifier.from_env()
+        self._events = EventLog(log)
+        self._lock = InstanceLock.of(config)
+        self._metrics = Metrics()
+        self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
+        self._watch = KubeletWatch(config.plugin_dir, self._kubelet_started)
+        self._runtime = RuntimeCheck(self._runtime_report)
+        self._reloads = ReloadReport(self._metrics, self._files)
+        self._devices: DeviceWatch | None = None
+        #: Device-plugin mode's sessions, or DRA mode's driver: what serves the resources to kubelet.
+        self._mode: DevicePlugins | DraMode | None = None
+        self._stop_requested = False
+        self._wake = asyncio.Event()
+        self._reload_requested = False
+        self._ready = False
+
+    # -- signals: handlers only set flags --------------------------------------------------------
+    def request_stop(self) -> None:
+        self._stop_requested = True
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        self._reload_requested = True
+        self._wake.set()
+
+    # -- the run ---------------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        handlers = {
+            signal.SIGTERM: self.request_stop,
+            signal.SIGINT: self.request_stop,
+            signal.SIGHUP: self.request_reload,
+        }
+        for sig, handler in handlers.items():
+            loop.add_signal_handler(sig, handler)
+        try:
+            async with grpc_runtime():
+                return await self._run()
+        finally:
+            for sig in handlers:
+                loop.remove_signal_handler(sig)
+
+    async def _run(self) -> int:
+        if not self._lock.acquire():
+            held = self._lock.directory
+            self._events.error("already-running", "another ate-devplugd is already running for %s; not starting", held)
+            return os.EX_CANTCREAT
+        watchdog: asyncio.Task[None] | None = None
+        try:
+            try:
+                if not await self._start():
+                    return os.EX_CANTCREAT
+            except NoPermissionError as exc:
+                self._events.error("no-permission", "%s; not starting", exc)
+                return os.EX_NOPERM
+            watchdog = self._start_watchdog()
+            await self._main_loop()
+            self._notifier.stopping()
+            self._events.info("stopping", "stopping")
+            return os.EX_OK
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            await self._runtime.close()
+            if self._mode is not None:
+                await self._mode.stop()
+            self._metrics_file.close()
+            if self._devices is not None:
+                self._devices.close()
+            self._watch.close()
+            self._lock.release()
+            self._notifier.close()
+            self._files.forget()
+
+    async def _start(self) -> bool:
+        """Start: the config applied from nothing (``_apply``); False if another process serves our sockets."""
+        busy = sockets_in_use(self.config, self.config.devices)
+        for msg in busy:
+            self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
+        if busy:
+            return False
+        self._devices = DeviceWatch(self.config, self._looked, self._kernel, self._monitor_factory)
+        registry = self._devices.registry
+        # The mode before the first look: it reports what each look means to kubelet (its gauges).
+        if self.config.dra is not None and self.config.mode == "dra":
+            from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
+
+            self._mode = DraMode(self.config.dra, registry, self._metrics, self._update_status, self._watch)
+        else:
+            self._mode = DevicePlugins(registry, self._watch, self._metrics, self._update_status)
+        try:
+            await self._apply(None, self.config)
+        except PermissionError as exc:  # DRA mode makes its directories in kubelet's, as root only can
+            if exc.errno != errno.EACCES or exc.filename is None:
+                raise
+            raise no_permission("create", str(exc.filename)) from exc
+        except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
+            self._events.error("serve-failed", "cannot serve: %s; is another ate-devplugd running? Not starting", exc)
+            return False
+        return True
+
+    # -- applying a config: at start and on reload -------------------------------------------------
+    async def _apply(self, old: Config | None, new: Config) -> None:
+        """Run ``new`` instead of ``old`` (None at start: from nothing). Start and reload take these
+        steps, in this one order:
+
+        1. the log level;
+        2. watch: the plugin directory (made at start) and udev for the devices' subsystems, before any
+           look, so that no change after a look goes unseen;
+        3. the removed resources stop being served, and the metrics hold the new set of resources;
+        4. read the state: CDI's directory, then a look at each device (which writes its CDI spec);
+        5. serve the added resources: each serves its socket, checks it answers, then registers (the mode);
+        6. the new config is the running one (``_running``): READY=1 at start, then the metrics file, the
+           container runtime asked again, the copy for ``probe`` and the outcome for ``reload``.
+
+        A reload gets here only once ``reload.decision.accept`` took the new config: it is applied whole.
+        """
+        change = diff(old or Config(devices=()), new)
+        logging.getLogger().setLevel(new.log_level.upper())
+        self.config = new
+        if old is None:
+            if new.mode != "dra":  # DRA mode's server makes its own directories
+                make_plugin_dir(new.plugin_dir)
+            self._watch.start()
+        assert self._mode is not None and self._devices is not None
+        self._devices.watch(new.devices)
+        await self._mode.stop(change.removed)
+        for name in change.removed:
+            self._metrics.remove_resource(name)
+        for name in change.added:
+            self._metrics.add_resource(name)
+        self._devices.read(new)
+        await self._mode.start(change.added)
+        self._running(old is None, change)
+
+    def _running(self, first: bool, change: ConfigDiff) -> None:
+        """Step 6 of ``_apply``: say so, then what follows the config it runs."""
+        if first:
+            self._ready = True
+            self._notifier.ready(self.status_line())
+            self._events.info("ready", "ready: %s", self.status_line())
+            # Metrics from now on: the first write comes after READY.
+            self._metrics.on_change = self._metrics_file.changed
+        self._metrics_file.enable(self.config.metrics_file)
+        self._ask_runtime()
+        self._files.keep_config(self.config)
+        if first:
+            self._reloads.started()
+        else:
+            self._reloads.applied(change)
+
+    def _looked(self, resource: Resource, event: str | None) -> None:
+        """After each look at a device (its CDI spec written): the mode (and the metrics it reports), and
+        STATUS when its health changed."""
+        if self._mode is not None:
+            self._mode.looked(resource)
+        if event is not None:
+            self._update_status()
+
+    def _kubelet_started(self) -> None:
+        self._metrics.kubelet_restart()
+        self._ask_runtime()
+
+    def _ask_runtime(self) -> None:
+        """Ask the container runtime whether it applies our CDI names (at start, on reload, when kubelet
+        starts; the check follows the runtime's own restarts by itself). It never delays anything."""
+        cfg = self.config
+        enabled = wanted(any(dev.cdi for dev in cfg.devices), cfg.mode)
+        self._runtime.start(
+            socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled, devices=cfg.devices
+        )
+
+    def _runtime_report(self, report: RuntimeReport | None) -> None:
+        if report is None:
+            self._metrics.set_runtime_cdi(None)
+        else:
+            self._metrics.set_runtime_cdi(report.verdict, report.runtime)
+        self._update_status()
+
+    async def _main_loop(self) -> None:
+        while not self._stop_requested:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._reload_requested and not self._stop_requested:
+                self._reload_requested = False
+                self._notifier.reloading()
+                await self.reload()
+                self._notifier.ready(self.status_line())
+
+    def _start_watchdog(self) -> asyncio.Task[None] | None:
+        interval = watchdog_interval()
+        if interval is None or not self._notifier.enabled:
+            return None
+
+        async def ping() -> None:
+            while True:
+                self._notifier.watchdog()
+                await asyncio.sleep(interval)
+
+        return asyncio.get_running_loop().create_task(ping(), name="watchdog")
+
+    # -- status ----------------------------------------------------------------------------------
+    def status_line(self) -> str:
+        """STATUS=: one part per resource in device-plugin mode, the driver's state in DRA mode; then what
+        the runtime does with CDI names, once it has answered."""
+        parts = [self._mode.status_line() if self._mode is not None else "starting", *self._runtime.status_parts()]
+        return " | ".join(parts if self._reloads.note is None else [*parts, self._reloads.note])
+
+    def _update_status(self) -> None:
+        if self._ready:
+            self._notifier.status(self.status_line())
+
+    # -- reload ----------------------------------------------------------------------------------
+    async def reload(self) -> bool:
+        """Re-read the config and apply it (``_apply``): added resources served, removed ones stopped,
+        changed ones kept serving. False when it was refused (``reload.decision``: nothing of it is
+        applied) or failed; ``reload.report`` says so, in STATUS until the next good reload."""
+        self._reloads.begin()
+        try:
+            new = accept(self.config, self._reload_config or (lambda: self.config))
+            await self._apply(self.config, new)
+        except ReloadRefused as refusal:
+            self._reloads.refused(refusal)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a failed reload must not take the running daemon down
+            self._reloads.failed(exc)
+            return False
+        return True

@@ -1,0 +1,79 @@
+"""Device-plugin mode: one supervised ``Session`` per resource, in config order.
+
+The daemon tells the mode which resources to serve (at start, and what a reload added or removed);
+the mode starts a session task for each, waits for their first attempts, stops them, and describes
+them for STATUS. Sessions restart themselves (kubelet restarts, lost sockets); a stopped session's
+socket is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+from collections.abc import Callable
+
+from ate_devplugd.deviceplugin.session import Session
+from ate_devplugd.kubelet.watch import KubeletWatch
+from ate_devplugd.node.devices import DeviceRegistry, Resource
+from ate_devplugd.signals.metrics import Metrics
+
+#: How long start-up (and a reload) waits for each new session's first attempt before going on.
+READY_TIMEOUT = 20.0
+
+
+class DevicePlugins:
+    """The sessions of device-plugin mode, one per resource of the registry."""
+
+    def __init__(
+        self,
+        registry: DeviceRegistry,
+        watch: KubeletWatch,
+        metrics: Metrics,
+        on_state: Callable[[], None],
+    ) -> None:
+        self._registry = registry
+        self._watch = watch
+        self._metrics = metrics
+        self._on_state = on_state
+        self._sessions: dict[str, Session] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self, names: list[str] | tuple[str, ...]) -> None:
+        """Serve and register these resources; return once each has made its first attempt."""
+        loop = asyncio.get_running_loop()
+        for name in names:
+            resource = self._registry.resources[name]
+            socket_path = posixpath.join(self._watch.plugin_dir, resource.config.socket_name)
+            session = Session(resource, socket_path, self._watch, self._on_state, self._metrics)
+            self._sessions[name] = session
+            self._tasks[name] = loop.create_task(session.run(), name=f"session {name}")
+        waits = [self._sessions[name].first_attempt.wait() for name in names]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*waits), READY_TIMEOUT)
+
+    async def stop(self, names: list[str] | tuple[str, ...] | None = None) -> None:
+        """Stop these sessions (all, by default): their servers stop and their sockets go."""
+        names = list(self._tasks) if names is None else names
+        tasks = [self._tasks.pop(name) for name in names if name in self._tasks]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for name in names:
+            self._sessions.pop(name, None)
+
+    def looked(self, resource: Resource) -> None:
+        """A look at a device: its gauges (every unit offered once the device was first seen). Each
+        session follows its resource itself (its change event)."""
+        units = resource.config.count if resource.seen.is_set() else 0
+        self._metrics.set_device(
+            resource.name, present=resource.presence.present, healthy=resource.healthy, advertised_units=units
+        )
+
+    def status_line(self) -> str:
+        """STATUS=: one part per resource, in config order (the registry's)."""
+        parts = [
+            f"{name}: {self._sessions[name].describe()}" for name in self._registry.resources if name in self._sessions
+        ]
+        return " | ".join(parts) or "no devices"

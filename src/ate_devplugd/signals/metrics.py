@@ -1,0 +1,270 @@
+"""The daemon's metrics: what it counts, kept on its event loop, and the families they render as.
+
+node_exporter's textfile collector publishes them (``signals.textfile.TextfileWriter`` writes the file); the
+daemon opens no port. Every call here is made from the daemon's one asyncio loop: plain attribute
+updates, no locks. ``on_change(prompt)`` is called after each call that changed a value (a counter always
+changes; a gauge set to the value it has does not), so an idle daemon causes no write; ``prompt`` is
+True for a change of state (a resource's gauges, the runtime's verdict, the series present), which the
+file then shows sooner than a count.
+
+Series exist per configured resource, from ``add_resource`` until ``remove_resource``. Calls naming a
+resource that is not (or no longer) there are ignored, so a late callback from a stopped server
+cannot bring back the series of a resource that left the config. The mode in use sets the device
+gauges (what kubelet is offered differs by mode); a mode's own series (DRA mode's) are rendered after
+these through ``add_source``.
+
+The file is rendered in the text format 0.0.4 (``signals.promtext.exposition``) from the ``Family`` values
+``Metrics.families`` builds on each render: one family per metric, a resource's samples there (at
+zero) from the moment it is added and gone with it. A new series is one more ``Family`` in
+``families``, with ``add_metric`` per sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ate_devplugd import __version__
+from ate_devplugd.cri.facts import CdiVerdict
+from ate_devplugd.signals.promtext import Family, exposition
+
+PREFIX = "ate_devplugd_"
+
+#: The canonical gRPC status code names: the only values of the ``code`` label.
+GRPC_CODES = frozenset(
+    {
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    }
+)
+#: The codes Allocate answers with; their series start at 0, so the first error shows in increase().
+ALLOCATE_ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
+
+
+class MetricSource(Protocol):
+    """A mode's own series (DRA mode's ``dra.metrics.DraMetrics``), rendered after the daemon's."""
+
+    on_change: Callable[[], None] | None
+
+    def families(self) -> Iterator[Family]: ...
+
+
+@dataclass
+class _Resource:
+    looked: bool = False
+    present: bool = False
+    healthy: bool = False
+    advertised_units: int = 0
+    registered: bool = False
+    streams: int = 0
+    registrations: int = 0
+    register_failures: int = 0
+    reregistrations: int = 0
+    allocations: int = 0
+    allocate_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALLOCATE_ERROR_CODES, 0))
+    health_transitions: int = 0
+
+
+# (name without prefix, help, value) for the per-resource gauges and counters.
+_GAUGES: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
+    ("device_present", "1 if the resource's device node is present on the node.", lambda r: r.present),
+    ("device_healthy", "1 if the device is present and passes its probe (its units are Healthy).", lambda r: r.healthy),
+    ("advertised_units", "Units offered to kubelet (0 before the device was present).", lambda r: r.advertised_units),
+    ("healthy_units", "Advertised units that are Healthy.", lambda r: r.advertised_units if r.healthy else 0),
+    ("registered", "1 while kubelet holds a registration of the resource's current server.", lambda r: r.registered),
+    ("listandwatch_streams", "ListAndWatch streams kubelet holds open (1 while it watches).", lambda r: r.streams),
+)  # fmt: skip
+_COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
+    ("registrations", "Register calls kubelet accepted.", lambda r: r.registrations),
+    ("register_failures", "Register calls that failed (each is retried).", lambda r: r.register_failures),
+    (
+        "reregistrations",
+        "Registrations made again because kubelet, still running, had dropped the resource (its stream ended).",
+        lambda r: r.reregistrations,
+    ),
+    ("allocations", "Allocate calls answered with a device.", lambda r: r.allocations),
+    ("health_transitions", "Changes of the device between Healthy and Unhealthy.", lambda r: r.health_transitions),
+)
+
+
+class Metrics:
+    """The daemon's metrics: per-resource state and counters, rendered on demand."""
+
+    def __init__(self, version: str = __version__, on_change: Callable[[bool], None] | None = None) -> None:
+        self.version = version
+        self.on_change = on_change
+        self._resources: dict[str, _Resource] = {}
+        self.kubelet_restarts = 0
+        self.reloads = 0
+        self.reload_failures = 0
+        #: The runtime's CDI verdict and the runtime (``containerd 1.7.24``); None while nothing is checked.
+        self._runtime_cdi: tuple[CdiVerdict, str] | None = None
+        self._sources: list[MetricSource] = []
+
+    def _changed(self, prompt: bool = False) -> None:
+        """A value changed; ``prompt`` for a change of state (not a count), which the file shows sooner."""
+        if self.on_change is not None:
+            self.on_change(prompt)
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        return tuple(self._resources)
+
+    # -- resources ---------------------------------------------------------------------------------
+    def add_resource(self, resource: str) -> None:
+        """Create the resource's series (all zero); no-op if it has them."""
+        if resource not in self._resources:
+            self._resources[resource] = _Resource()
+            self._changed(prompt=True)
+
+    def remove_resource(self, resource: str) -> None:
+        """Drop every series of a resource that left the config."""
+        if self._resources.pop(resource, None) is not None:
+            self._changed(prompt=True)
+
+    def add_source(self, source: MetricSource) -> None:
+        """Render ``source``'s series after ours; its changes count as ours (``on_change``)."""
+        self._sources.append(source)
+        source.on_change = self._changed
+        self._changed()
+
+    # -- state -------------------------------------------------------------------------------------
+    def set_device(self, resource: str, *, present: bool, healthy: bool, advertised_units: int) -> None:
+        """The device's state after a look; healthy units are the advertised ones while healthy. A change
+        of health after the first look counts as a health transition."""
+        r = self._resources.get(resource)
+        new = (present, healthy and present, advertised_units)
+        if r is None or ((r.present, r.healthy, r.advertised_units) == new and r.looked):
+            return
+        if r.looked and r.healthy != new[1]:
+            r.health_transitions += 1
+        r.present, r.healthy, r.advertised_units = new
+        r.looked = True
+        self._changed(prompt=True)
+
+    def set_registered(self, resource: str, registered: bool) -> None:
+        r = self._resources.get(resource)
+        if r is not None and r.registered != registered:
+            r.registered = registered
+            self._changed(prompt=True)
+
+    def set_streams(self, resource: str, streams: int) -> None:
+        """How many ListAndWatch streams kubelet has open on the resource's current server."""
+        r = self._resources.get(resource)
+        if r is not None and r.streams != streams:
+            r.streams = streams
+            self._changed(prompt=True)
+
+    # -- counters ----------------------------------------------------------------------------------
+    def registration(self, resource: str) -> None:
+        self._count(resource, "registrations")
+
+    def register_failure(self, resource: str) -> None:
+        self._count(resource, "register_failures")
+
+    def reregistration(self, resource: str) -> None:
+        self._count(resource, "reregistrations")
+
+    def allocation(self, resource: str) -> None:
+        self._count(resource, "allocations")
+
+    def allocate_error(self, resource: str, code: str) -> None:
+        """An Allocate answered with an error; ``code`` is the gRPC status code's name (``INVALID_ARGUMENT``)."""
+        r = self._resources.get(resource)
+        if r is not None:
+            key = code if code in GRPC_CODES else "UNKNOWN"
+            r.allocate_errors[key] = r.allocate_errors.get(key, 0) + 1
+            self._changed()
+
+    def _count(self, resource: str, attr: str) -> None:
+        r = self._resources.get(resource)
+        if r is not None:
+            setattr(r, attr, getattr(r, attr) + 1)
+            self._changed()
+
+    def kubelet_restart(self) -> None:
+        self.kubelet_restarts += 1
+        self._changed()
+
+    def reload(self) -> None:
+        self.reloads += 1
+        self._changed()
+
+    def reload_failed(self) -> None:
+        self.reload_failures += 1
+        self._changed()
+
+    def set_runtime_cdi(self, verdict: CdiVerdict | None, runtime: str = "") -> None:
+        """What the runtime does with our CDI names (None: not checked, no series)."""
+        new = None if verdict is None else (verdict, runtime)
+        if new != self._runtime_cdi:
+            self._runtime_cdi = new
+            self._changed(prompt=True)
+
+    # -- exposition ---------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The metrics in the Prometheus text format (version 0.0.4), as node_exporter reads them."""
+        return exposition(self.families())
+
+    def families(self) -> Iterator[Family]:
+        res = self._resources
+        info = Family.gauge(PREFIX + "build_info", "Always 1; the daemon's version.", "version")
+        info.add_metric([self.version], 1)
+        yield info
+        for name, doc, value in _GAUGES:
+            gauge = Family.gauge(PREFIX + name, doc, "resource")
+            for resource, r in res.items():
+                gauge.add_metric([resource], value(r))
+            yield gauge
+        for name, doc, value in _COUNTERS:
+            counter = Family.counter(PREFIX + name, doc, "resource")
+            for resource, r in res.items():
+                counter.add_metric([resource], value(r))
+            yield counter
+        errors = Family.counter(
+            PREFIX + "allocate_errors",
+            "Allocate calls answered with an error, by gRPC status code.",
+            "resource",
+            "code",
+        )
+        for resource, r in res.items():
+            for code, count in sorted(r.allocate_errors.items()):
+                errors.add_metric([resource, code], count)
+        yield errors
+        for name, doc, count in (
+            ("kubelet_restarts", "kubelet starts seen by the daemon (a new kubelet.sock).", self.kubelet_restarts),
+            ("reloads", "Config reloads applied.", self.reloads),
+            ("reload_failures", "Config reloads refused (the running config stayed).", self.reload_failures),
+        ):  # fmt: skip
+            family = Family.counter(PREFIX + name, doc)
+            family.add_metric([], count)
+            yield family
+        if self._runtime_cdi is not None:
+            current, runtime = self._runtime_cdi
+            cdi = Family.gauge(
+                PREFIX + "runtime_cdi",
+                "1 for what the container runtime does with the daemon's CDI names, 0 for the other verdicts.",
+                "verdict",
+                "runtime",
+            )
+            for verdict in CdiVerdict:
+                cdi.add_metric([verdict.value, runtime], int(verdict is current))
+            yield cdi
+        for source in self._sources:
+            yield from source.families()
