@@ -12,7 +12,7 @@ import pytest
 
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.node import devices
-from ate_devplugd.node.devices import DeviceRegistry, Presence, Resource
+from ate_devplugd.node.devices import DeviceRegistry, Presence, Resource, Withheld, Withholding
 from ate_devplugd.node.kernel import UdevKernelView
 from tests.support import FakeKernel, make_kvm_node, recording_events
 
@@ -290,3 +290,18 @@ class TestDeviceRegistry:
         registry.reconcile()
         registry.apply((vhost,), str(fake_root))
         assert kernel.opened == [str(node)]
+
+
+def test_a_withheld_device_is_not_usable_and_wakes_its_streams() -> None:
+    resource = Resource(DeviceConfig(resource="ate.dev/kvm", path="/dev/kvm"))
+    resource.update(Presence(present=True, healthy=True, reason="character device 10:232"))
+    assert resource.usable and resource.unusable_reason == ""
+    woken = resource.change_event()
+    why = Withholding(Withheld.SPEC_CONFLICT, "/etc/cdi/other.json also defines ate.dev/kvm=kvm")
+    assert resource.withhold(why) is True
+    assert woken.is_set()
+    assert resource.healthy and not resource.usable
+    assert resource.unusable_reason.startswith("withheld: spec-conflict: ")
+    assert resource.withhold(why) is False  # the same withholding again changes nothing
+    assert resource.withhold(None) is True
+    assert resource.usable

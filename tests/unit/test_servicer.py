@@ -12,7 +12,7 @@ from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.base.unixsock import unix_target
 from ate_devplugd.config.device import max_request_bytes
 from ate_devplugd.deviceplugin import endpoint
-from ate_devplugd.node.devices import Presence
+from ate_devplugd.node.devices import Presence, Withheld, Withholding
 from tests.support import GONE, PRESENT, alloc, kvm_resource, served
 
 
@@ -153,6 +153,27 @@ class TestDevicePluginService:
                 await stub.Allocate(alloc(["kvm-0"]))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "kvm-0" in (info.value.details() or "") and "does not exist" in (info.value.details() or "")
+
+    async def test_a_withheld_device_is_unhealthy_to_kubelet_and_not_granted(self, tmp_path: Path) -> None:
+        """Present and healthy but withheld: every unit Unhealthy on the open stream, Allocate refused with
+        the reason; offered again, every unit Healthy; the IDs never change."""
+        res = kvm_resource(count=3)
+        async with served(tmp_path, res) as (_, stub):
+            call = stub.ListAndWatch(api_pb2.Empty())
+            first = await call.read()
+            res.withhold(Withholding(Withheld.CDI_NOT_APPLIED, "containerd 1.7.24 has enable_cdi = false"))
+            second = await call.read()
+            assert [d.health for d in second.devices] == ["Unhealthy"] * 3
+            assert [d.ID for d in second.devices] == [d.ID for d in first.devices]
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Allocate(alloc(["kvm-0"]))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "withheld: cdi-not-applied" in (info.value.details() or "")
+            res.withhold(None)
+            third = await call.read()
+            assert [d.health for d in third.devices] == ["Healthy"] * 3
+            await stub.Allocate(alloc(["kvm-0"]))
+            call.cancel()
 
     async def test_preferred_allocation_and_prestart(self, tmp_path: Path) -> None:
         """Not advertised, but valid answers: required IDs first, then available ones, up to size."""

@@ -38,7 +38,7 @@ def device_list(prefix: str, count: int, health: str) -> api_pb2.ListAndWatchRes
 
 def list_response(resource: Resource) -> api_pb2.ListAndWatchResponse:
     """What ListAndWatch sends for ``resource`` now."""
-    health = HEALTHY if resource.healthy else UNHEALTHY
+    health = HEALTHY if resource.usable else UNHEALTHY
     return device_list(resource.config.id_prefix, resource.config.count, health)
 
 
@@ -152,8 +152,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"Allocate: unknown device ID {device_id[:80]!r} for {name}",
                     )
-            if not self._resource.healthy:
-                why = self._resource.presence.reason
+            if not self._resource.usable:
+                why = self._resource.unusable_reason
                 return (
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"Allocate: device {creq.devices_ids[0]!r} of {name} is unhealthy: {why}",

@@ -94,7 +94,7 @@ class DraMode:
         slice while it is unhealthy."""
         if self._driver is not None and resource.name in self._driver.publisher.present:
             self._driver.set_cdi_id(resource.name, qualified_name(resource.config))
-            self._driver.set_health(resource.name, resource.healthy)
+            self._driver.set_health(resource.name, resource.usable)
         self._update_metrics()
 
     def _kubelet_hint(self) -> None:

@@ -10,6 +10,7 @@ looks again on any hint, so the answer never depends on which events arrived.
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import logging
 import os
@@ -45,6 +46,33 @@ class Presence:
 
 
 UNKNOWN = Presence(present=False, healthy=False, reason="not looked at yet")
+
+
+class Withheld(enum.Enum):
+    """Why a present, healthy device is not offered: a pod granted it now would not get a working device
+    (or, while a node changes mode, would be sent down the path that is going). The value is the
+    ``reason`` label of the metrics and the word in STATUS."""
+
+    #: The runtime kubelet uses drops our CDI names (CDI off, our directory not read, too old for CDI).
+    CDI_NOT_APPLIED = "cdi-not-applied"
+    #: Another spec in the same directory defines our name: the CDI library refuses to resolve it.
+    SPEC_CONFLICT = "spec-conflict"
+    #: A spec in a later directory defines our name: it, not ours, is what a container gets.
+    SPEC_REPLACED = "spec-replaced"
+    #: Our spec is not on disk (and could not be written back).
+    SPEC_MISSING = "spec-missing"
+    #: Our spec on disk is one the CDI library refuses.
+    SPEC_INVALID = "spec-invalid"
+    #: The node is moving to the other mode: new pods must take the path that stays.
+    MODE_SWITCH = "mode-switch"
+
+
+@dataclass(frozen=True)
+class Withholding:
+    """A device withheld: why (the enum a caller branches on) and the words an operator reads."""
+
+    reason: Withheld
+    detail: str
 
 
 def node_path(dev: DeviceConfig, dev_root: str) -> str:
@@ -125,6 +153,7 @@ class Resource:
         self.events = EventLog(log, resource=config.resource, device=config.path)
         #: The CDI device Allocate names (``ate.dev/kvm=kvm``) while its spec is in place, else None.
         self.cdi_device: str | None = None
+        self._withheld: Withholding | None = None
         self._changed = asyncio.Event()
 
     @property
@@ -133,7 +162,36 @@ class Resource:
 
     @property
     def healthy(self) -> bool:
+        """Present and passing its probe: the device itself works."""
         return self.presence.healthy
+
+    @property
+    def withheld(self) -> Withholding | None:
+        """Why the device is not offered although it works, or None."""
+        return self._withheld
+
+    @property
+    def usable(self) -> bool:
+        """Offered: healthy and not withheld, so a pod granted a unit now gets a working device."""
+        return self.presence.healthy and self._withheld is None
+
+    @property
+    def unusable_reason(self) -> str:
+        """Why the device is not usable, in an operator's words ("" when it is)."""
+        if not self.presence.healthy:
+            return self.presence.reason
+        if self._withheld is not None:
+            return f"withheld: {self._withheld.reason.value}: {self._withheld.detail}"
+        return ""
+
+    def withhold(self, withholding: Withholding | None) -> bool:
+        """Withhold the device (or offer it again, with None); True if what kubelet sees may have changed."""
+        if withholding == self._withheld:
+            return False
+        was_usable = self.usable
+        self._withheld = withholding
+        self._wake()
+        return was_usable != self.usable
 
     def update(self, presence: Presence) -> str | None:
         """Record what a look found; return the event name if the health kubelet sees changed, else None."""
