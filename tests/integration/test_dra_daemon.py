@@ -47,9 +47,12 @@ class TestDraMode:
                 assert (await node.kubelet.next_event("registered")).name == DRIVER
                 status = await node.status("registered with kubelet, slice published")
                 # the runtime's CDI verdict follows as its own part once the runtime (absent here) was asked
-                assert status.split(" | cdi: ")[0] == (
+                dra_part, withheld_part = status.split(" | cdi: ")[0].split(" | ")
+                assert dra_part == (
                     "dra: registered with kubelet, slice published (128 devices), layout units (sharing set in config)"
                 )
+                # the device-plugin path DRA mode keeps registered with every unit Unhealthy (no kubelet.sock here)
+                assert withheld_part.startswith("ate.dev/kvm: device-plugin path withheld (DRA mode)")
                 (published,) = node.api.node_slices()
                 assert published["spec"]["driver"] == DRIVER and len(published["spec"]["devices"]) == 128
                 claim = node.claim("vm-1")
