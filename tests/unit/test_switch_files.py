@@ -60,3 +60,19 @@ def test_dropin_linked_then_removed_leaves_nothing(tmp_path: Path) -> None:
     assert Path(files.dropin).resolve() == source
     assert switch_files.remove_dropin(files) and not switch_files.remove_dropin(files)
     assert not (tmp_path / "ate-devplugd.service.d").exists()
+
+
+async def test_doctor_says_a_node_is_half_way(tmp_path: Path) -> None:
+    """The config's mode against the running daemon's copy of its own: a WARN with the ways on."""
+    from ate_devplugd.commands.doctor import switch as doctor_switch
+    from ate_devplugd.commands.findings import Level
+    from ate_devplugd.config import parse
+
+    running = tmp_path / "running.toml"
+    running.write_text('mode = "device-plugin"\n')
+    (found,) = await doctor_switch.findings(parse('mode = "dra"\n'), str(running), 1.0)
+    assert found.level is Level.WARN and "half-way" in found.message
+    assert "switch-mode dra" in found.remedy and "switch-mode device-plugin" in found.remedy
+    (found,) = await doctor_switch.findings(parse('mode = "device-plugin"\n'), str(running), 1.0)
+    assert found.level is Level.OK
+    assert await doctor_switch.findings(parse(""), str(tmp_path / "none"), 1.0) == []

@@ -26,7 +26,7 @@ from typing import Any
 
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.commands import switch_files
-from ate_devplugd.commands.switch_files import HostFiles
+from ate_devplugd.commands.switch_files import CORDON_ANNOTATION, CORDON_VALUE, HostFiles
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.dra import DraConfig
 from ate_devplugd.dra import kubeconfig
@@ -34,9 +34,6 @@ from ate_devplugd.dra.apiclient import NODES, PODS, SLICES, ApiClient, ApiError,
 
 log = logging.getLogger(__name__)
 
-#: On the Node while the cordon is ours: only a cordon with it is lifted by us.
-CORDON_ANNOTATION = "ate.dev/cordoned-by"
-CORDON_VALUE = "switch-mode"
 MERGE_PATCH = "application/merge-patch+json"
 UNIT = "ate-devplugd.service"
 

@@ -1,4 +1,5 @@
-"""The host's side of ``switch-mode``: the config's top-level ``mode`` and the unit's DRA drop-in.
+"""The host's side of ``switch-mode``: the config's top-level ``mode`` and the unit's DRA drop-in (and the
+name of its cordon's annotation, which ``doctor`` reads too).
 
 The config file is changed in its ``mode`` line only (added before the first table when it has none), so
 every other byte stays as the operator wrote it; the new text is validated as ``check-config`` validates
@@ -19,6 +20,9 @@ from ate_devplugd import config as configmod
 from ate_devplugd.base.atomicfile import replace_file
 from ate_devplugd.config import Config
 
+#: On the Node while the cordon is ``switch-mode``'s: only a cordon with it is lifted by it (``doctor`` reads it).
+CORDON_ANNOTATION = "ate.dev/cordoned-by"
+CORDON_VALUE = "switch-mode"
 DROPIN_DIR = "/etc/systemd/system/ate-devplugd.service.d"
 DROPIN_SOURCE = "/usr/share/ate-devplugd/dra-mode.conf"
 DROPIN_NAME = "dra-mode.conf"
