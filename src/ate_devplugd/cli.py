@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -121,6 +122,8 @@ def _switch_mode(cfg: configmod.Config, args: argparse.Namespace) -> int:
         await switch.run_systemctl(args.systemctl, *words)
 
     host = switch.Host(files, configmod.running_config_path(), systemctl)
+    if args.kubeconfig and cfg.dra is not None:
+        cfg = dataclasses.replace(cfg, dra=dataclasses.replace(cfg.dra, kubeconfig=args.kubeconfig))
     try:
         return asyncio.run(switch.switch_mode(args.mode, cfg, host, switch.Timing(args.timeout, args.settle)))
     except ConfigError as exc:

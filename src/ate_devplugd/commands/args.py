@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"how long every pod bound here must stay admitted after the cordon (default {SWITCH_SETTLE:g})",
     )
+    switch.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="the credentials to cordon the Node, list its pods and delete its slices with (default: the "
+        "[dra] table's kubeconfig; the service account of dra-manifests may not patch Nodes or list pods)",
+    )
     switch.add_argument("--systemctl", default="systemctl", metavar="CMD", help="the systemctl to run")
     switch.add_argument(
         "--dropin-dir",
