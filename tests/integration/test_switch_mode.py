@@ -245,6 +245,8 @@ async def both_ways(seed: int, kernel: FakeKernel, fake_root: Path, *, readme: b
         await asyncio.sleep(s(ENDPOINT_GRACE + 50))  # past kubelet's endpoint grace, pods still arriving
         await move("device-plugin", readme)
         await asyncio.sleep(s(WIPING_DELAY + 70))
+        if not readme:  # once more: a finished move is left alone, not even cordoned
+            await move("device-plugin", readme)
         return await finish()
 
 

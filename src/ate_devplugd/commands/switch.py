@@ -116,6 +116,9 @@ class Switch:
     async def run(self) -> None:
         self._api = ApiClient(kubeconfig.load(self._dra.kubeconfig))
         try:
+            if await self._done_already():
+                self._step("switch-done", f"already in {self.target} mode and the Node shows it: nothing to do")
+                return
             await self._cordon()
             await self._settle()
             await self._apply()
@@ -123,6 +126,22 @@ class Switch:
             await self._uncordon()
         finally:
             await self._api.close()
+
+    async def _done_already(self) -> bool:
+        """The config, the drop-in and the running daemon are in the target mode, the Node shows its path and
+        carries no cordon of ours: a run again after a finished move changes nothing, not even the cordon."""
+        files = self._host.files
+        if self._config.mode != self.target or switch_files.running_mode(self._host.running_config) != self.target:
+            return False
+        if self.target == "dra" and not switch_files.dropin_linked(files):
+            return False
+        assert self._api is not None
+        node = await self._node()
+        if (node["metadata"].get("annotations") or {}).get(CORDON_ANNOTATION) == CORDON_VALUE:
+            return False
+        selector = f"spec.nodeName={self._dra.node_name},spec.driver={self._dra.driver}"
+        slices = (await self._api.request("GET", SLICES, params={"fieldSelector": selector})).get("items") or []
+        return self._allocatable_wrong([node]) is None and self._slices_wrong(slices) is None
 
     # -- 1 and 5: the cordon ------------------------------------------------------------------------
     async def _node(self) -> dict[str, Any]:
