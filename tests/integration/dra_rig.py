@@ -154,7 +154,7 @@ async def rig(
 ) -> AsyncIterator[Rig]:
     """``credentials``: ``node`` (kubelet's, a static token here) or ``service-account`` (what
     ``dra-manifests`` prints, applied by an administrator, and a token bound to the Node in a file the
-    kubeconfig names, as the README's renewal recipe writes it). ``sharing``: units unless told (None:
+    kubeconfig names, as the renewal recipe of docs/dra.md writes it). ``sharing``: units unless told (None:
     the layout follows the fake API server, which keeps ``allowMultipleAllocations`` unless
     ``consumable_capacity`` is False)."""
     async with short_dir() as base:

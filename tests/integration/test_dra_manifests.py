@@ -252,7 +252,7 @@ class TestInstallWithoutAWindow:
             policy = documents(manifests.render(CONFIG, RESOURCES, stage="policy"))
             assert await apply(api.url, ADMIN, policy) == []
             assert (await write_slice(api.url, token, "node-2"))[0] == 403
-            api.refresh_policies()  # what the README's wait between the stages is for
+            api.refresh_policies()  # what the wait between the stages in docs/dra.md is for
             assert await apply(api.url, ADMIN, documents(manifests.render(CONFIG, RESOURCES, stage="grant"))) == []
             assert (await write_slice(api.url, token, "node-2"))[0] == 422
             assert (await write_slice(api.url, token, "node-1"))[0] == 201

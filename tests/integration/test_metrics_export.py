@@ -171,12 +171,12 @@ class TestPromtool:
         assert "SUCCESS: 9 rules found" in out, out
 
     def test_the_package_installs_the_rules_where_the_docs_say(self) -> None:
-        """The .deb installs the rules file (debian/*.install) at the path README and ate-devplugd(8) give."""
+        """The .deb installs the rules file (debian/*.install) where docs/monitoring.md and ate-devplugd(8) say."""
         install = (ROOT / "packaging" / "debian" / "ate-devplugd.install").read_text().splitlines()
         (target,) = [line.split()[1] for line in install if line.split()[0] == str(RULES.relative_to(ROOT))]
         installed = "/" + target.rstrip("/") + "/" + RULES.name
         assert installed == "/usr/share/ate-devplugd/ate-devplugd.rules.yml"
-        assert f"The package installs `{installed}`" in (ROOT / "README.md").read_text()
+        assert f"The package installs `{installed}`" in (ROOT / "docs" / "monitoring.md").read_text()
         man = (ROOT / "packaging" / "man" / "ate-devplugd.8").read_text().replace("\\-", "-")
         assert f".I {installed}\n" in man
 

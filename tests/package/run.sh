@@ -219,7 +219,7 @@ overlay() {
 }
 
 # ---- the unit's exposure, as this release's systemd-analyze scores it --------------------------------
-# score NAME MAX [DROP-IN]: the unit (with DROP-IN from the package, as the README installs it) scored in
+# score NAME MAX [DROP-IN]: the unit (with DROP-IN from the package, as docs/switching.md installs it) scored in
 # a throwaway overlay of the tree; at most MAX.
 score() {
     local name=$1 max=$2 dropin=${3:-} merged=$sdir/$1/root out score

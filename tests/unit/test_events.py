@@ -1,5 +1,5 @@
 """The logging convention, checked over the source: one logger per module, named after it; every line at
-warning or above is an event (``ATE_EVENT``) an operator can filter on; README's event table lists exactly
+warning or above is an event (``ATE_EVENT``) an operator can filter on; docs/monitoring.md's event table lists exactly
 the events the code logs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pathlib
 import re
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "ate_devplugd"
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+MONITORING = pathlib.Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
 
 #: The calls on an EventLog: the event name is their first argument (after the level for ``log``).
 EVENT_METHODS = {"debug", "info", "warning", "error", "log"}
@@ -101,9 +101,9 @@ class Scan:
                 self.silent.append(f"{where}:{node.lineno}: {ast.unparse(node)[:100]}")
 
 
-def readme_events() -> set[str]:
-    """The event names in README's table of events (the section "Events")."""
-    text = README.read_text()
+def documented_events() -> set[str]:
+    """The event names in docs/monitoring.md's table of events (the section "Events")."""
+    text = MONITORING.read_text()
     section = text.split("\n### Events\n", 1)[1].split("\n#", 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
     return {name for cell in rows for name in re.findall(r"`([a-z0-9-]+)`", cell)}
@@ -126,7 +126,7 @@ def test_every_event_name_can_be_read_from_the_code() -> None:
     )
 
 
-def test_readme_lists_the_events_the_code_logs() -> None:
-    documented = readme_events()
-    assert not SCAN.events - documented, f"not in README's Events table: {sorted(SCAN.events - documented)}"
-    assert not documented - SCAN.events, f"in README's Events table, never logged: {sorted(documented - SCAN.events)}"
+def test_the_docs_list_the_events_the_code_logs() -> None:
+    documented = documented_events()
+    assert not SCAN.events - documented, f"not in the docs' Events table: {sorted(SCAN.events - documented)}"
+    assert not documented - SCAN.events, f"in the docs' Events table, never logged: {sorted(documented - SCAN.events)}"

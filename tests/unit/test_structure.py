@@ -2,7 +2,7 @@
 
 Every import counts, lazy ones inside functions and ``if TYPE_CHECKING:`` ones included: a circle that is
 only type-only still means two modules that cannot be read, changed or tested apart. The layers are the
-ones README's code map draws; a new module is placed in one here, or this test fails.
+ones docs/code-map.md draws; a new module is placed in one here, or this test fails.
 """
 
 from __future__ import annotations

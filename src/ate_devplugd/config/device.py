@@ -100,7 +100,7 @@ def qualified_name(dev: DeviceConfig) -> str:
 
 
 def count_cost(count: int) -> str:
-    """What ``count`` units cost kubelet, for ``check-config``'s warning (the figures are in README)."""
+    """What ``count`` units cost kubelet, for ``check-config``'s warning (the figures are in docs/operating.md)."""
     heap = count * KUBELET_BYTES_PER_UNIT / 2**20
     return (
         f"units cost kubelet about {heap:.1f} MiB of heap ({KUBELET_BYTES_PER_UNIT} B a unit), and time and disk "

@@ -37,7 +37,7 @@ SETTLE_SECONDS = 30.0
 #: What to do about credentials the API server refuses (401), by their kind.
 TOKEN_REMEDY = (
     "the token expired, or the Node it is bound to was deleted or created again: write a new one "
-    "(README: Credentials for DRA mode)"
+    "(docs/dra.md: Credentials for DRA mode)"
 )
 CERTIFICATE_REMEDY = "the client certificate expired or is not trusted: check kubelet's certificate rotation"
 

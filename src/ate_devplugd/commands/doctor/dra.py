@@ -35,11 +35,11 @@ DEVICE_CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
 APPLY = "ate-devplugd dra-manifests --kubelet-credentials | kubectl apply -f -"
 #: What an administrator runs where these credentials may not look: each DeviceClass and the resource it maps.
 LIST_CLASSES = "kubectl get deviceclass -o custom-columns=NAME:.metadata.name,RESOURCE:.spec.extendedResourceName"
-#: What to do about a token the API server refuses: mint one bound to this node (README, DRA mode, Credentials).
+#: What to do about a token the API server refuses: mint one bound to this node (docs/dra.md, Credentials for DRA mode).
 MINT = (
     "mint a new node-bound token and write it to the kubeconfig's tokenFile: kubectl create token ate-devplugd "
     "-n ate-devplugd --bound-object-kind Node --bound-object-name {node} --duration 24h "
-    "(README: Credentials for DRA mode; the daemon picks it up without a restart)"
+    "(docs/dra.md: Credentials for DRA mode; the daemon picks it up without a restart)"
 )
 RENEW_CERTIFICATE = "kubelet's client certificate: check its rotation (/var/lib/kubelet/pki) and the kubeconfig"
 
