@@ -35,6 +35,16 @@ from ate_devplugd.dra.apiclient import NODES, PODS, SLICES, ApiClient, ApiError,
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+#: The events of the steps (``_step``'s first argument), and of a failure.
+EVENTS = (
+    "switch-cordon",
+    "switch-settled",
+    "switch-applied",
+    "switch-slice-deleted",
+    "switch-path",
+    "switch-done",
+    "switch-failed",
+)
 UNIT = "ate-devplugd.service"
 
 
