@@ -143,10 +143,10 @@ def kvm_resource(count: int = 8, permissions: str = "rw") -> Resource:
 
 @contextlib.asynccontextmanager
 async def served(
-    directory: Path, resource: Resource
+    directory: Path, resource: Resource, *, withheld: bool = False
 ) -> AsyncIterator[tuple[endpoint.PluginServer, api_pb2_grpc.DevicePluginStub]]:
     """``resource`` served on a real socket in ``directory``, and a stub connected to it."""
-    server = endpoint.PluginServer(resource, str(directory / resource.config.socket_name))
+    server = endpoint.PluginServer(resource, str(directory / resource.config.socket_name), withheld=withheld)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(unix_target(server.socket_path)) as channel:

@@ -1,9 +1,12 @@
-"""Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests | reload``: each
+"""Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests | reload |
+switch-mode``: each
 command run as ``commands.args`` parsed it."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
 
     if args.command == "check-config":
         return _check_config(cfg)
+    if args.command == "switch-mode":
+        return _switch_mode(cfg, args)
     if args.command == "probe":
         return _probe(cfg, args.timeout)
     if args.command == "dra-manifests":
@@ -96,6 +101,33 @@ def _running_config(broken: ConfigError, config: str | None, plugin_dir: str | N
         file=sys.stderr,
     )
     return cfg
+
+
+def _switch_mode(cfg: configmod.Config, args: argparse.Namespace) -> int:
+    import asyncio  # noqa: PLC0415 - not imported before the signal handlers are in place
+
+    from ate_devplugd.base import logs  # noqa: PLC0415
+    from ate_devplugd.commands import switch  # noqa: PLC0415 - aiohttp only for this command
+    from ate_devplugd.commands.switch_files import HostFiles  # noqa: PLC0415
+
+    if os.path.exists("/run/systemd/journal/socket"):  # each step's event in the journal, besides stdout
+        with contextlib.suppress(ImportError):
+            logger = logging.getLogger(switch.__name__)
+            logger.addHandler(logs.JournalHandler())
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+    files = HostFiles(args.config or DEFAULT_CONFIG_PATH, args.dropin_dir, args.dropin_source)
+
+    async def systemctl(*words: str) -> None:
+        await switch.run_systemctl(args.systemctl, *words)
+
+    host = switch.Host(files, configmod.running_config_path(), systemctl)
+    if args.kubeconfig and cfg.dra is not None:
+        cfg = dataclasses.replace(cfg, dra=dataclasses.replace(cfg.dra, kubeconfig=args.kubeconfig))
+    try:
+        return asyncio.run(switch.switch_mode(args.mode, cfg, host, switch.Timing(args.timeout, args.settle)))
+    except ConfigError as exc:
+        return _config_error(exc)
 
 
 def _dra_manifests(

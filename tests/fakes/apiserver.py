@@ -88,7 +88,16 @@ NODES = "/api/v1/nodes"
 SERVICE_ACCOUNT = ("ate-devplugd", "ate-devplugd")
 #: What the Node authorizer judges itself and this fake's handlers judge as it does (a claim: any, as if
 #: every claim belonged to a pod bound to the node).
-_NODE_HANDLED = {("", "nodes"), ("resource.k8s.io", "resourceslices"), ("resource.k8s.io", "resourceclaims")}
+_NODE_HANDLED = {
+    ("", "nodes"),
+    ("", "pods"),
+    ("resource.k8s.io", "resourceslices"),
+    ("resource.k8s.io", "resourceclaims"),
+}
+PODS = "/api/v1/pods"
+#: What NodeRestriction lets a node change on its own Node by a patch (it does not look at
+#: ``spec.unschedulable``; annotations are a node's own; taints, labels, ownerReferences are not).
+_NODE_MAY_PATCH = {"spec": {"unschedulable"}, "metadata": {"annotations"}}
 #: Where each kind ``dra-manifests`` prints is created: its collection path ({ns}: its namespace).
 COLLECTIONS = {
     "Namespace": "/api/v1/namespaces",
@@ -99,6 +108,17 @@ COLLECTIONS = {
     "ValidatingAdmissionPolicyBinding": "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
     "DeviceClass": "/apis/resource.k8s.io/v1/deviceclasses",
 }
+
+
+def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """RFC 7386: ``patch`` merged into ``target`` (null removes a key)."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge_patch(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
 
 
 def collection_path(obj: dict[str, Any]) -> str:
@@ -153,6 +173,10 @@ class FakeApiServer:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
+        #: Pods by (namespace, name), as the fake scheduler and kubelet of ``scheduler.py`` write them.
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        #: Told of every change stored (its resource: "nodes", "pods", "resourceslices").
+        self.listeners: list[Any] = []
         #: What an administrator created: (kind, namespace, name) -> object. Its ClusterRoles and
         #: bindings are the RBAC that judges the service account.
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -182,6 +206,24 @@ class FakeApiServer:
         self.nodes[name] = node
         self._record("nodes", "ADDED", node)
         return node
+
+    def set_node_status(self, allocatable: dict[str, str], capacity: dict[str, str]) -> None:
+        """kubelet's node-status update: the Node's allocatable and capacity as it reports them."""
+        node = self.nodes[self.node_name]
+        node["status"] = {"allocatable": dict(allocatable), "capacity": dict(capacity)}
+        self._record("nodes", "MODIFIED", node)
+
+    def put_pod(self, pod: dict[str, Any]) -> None:
+        """A pod created or changed (the scheduler's binding, kubelet's status)."""
+        key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        kind = "MODIFIED" if key in self.pods else "ADDED"
+        self.pods[key] = pod
+        self._record("pods", kind, pod)
+
+    def remove_pod(self, namespace: str, name: str) -> None:
+        pod = self.pods.pop((namespace, name), None)
+        if pod is not None:
+            self._record("pods", "DELETED", pod)
 
     def delete_node(self, name: str) -> None:
         """A Node deleted; the garbage collector then deletes the slices it owns."""
@@ -356,6 +398,8 @@ class FakeApiServer:
         self._history.append((rv, resource, kind, snapshot))
         if resource == "resourceslices":
             self.changes.put_nowait((kind, snapshot))
+        for listener in self.listeners:
+            listener(resource)
         for watcher in self._watchers:
             if watcher.resource == resource and self._selected(snapshot, watcher.selector):
                 watcher.queue.put_nowait({"type": kind, "object": snapshot})
@@ -392,6 +436,15 @@ class FakeApiServer:
         token_node = self._token_node(bearer)
         if path.startswith(NODES) and method == "GET":
             return await self._nodes(request, caller)
+        if path.startswith(NODES + "/") and method == "PATCH":
+            return web.json_response(await self._patch_node(request, caller))
+        if path == PODS and method == "GET":
+            selector = parse_selector(request.query.get("fieldSelector", ""))
+            if caller is Caller.NODE and selector.get("spec.nodeName") != self.node_name:
+                raise Problem(403, "Forbidden", f"node '{self.node_name}' can only list/watch pods bound to it")
+            if request.query.get("watch") in ("1", "true"):
+                return await self._watch(request, "pods", selector)
+            return web.json_response(self._list("PodList", self.pods.values(), selector))
         if m := re.fullmatch(r"/apis/resource.k8s.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)", path):
             return web.json_response(self._get(self.claims, (m[1], m[2]), "resourceclaims.resource.k8s.io"))
         if path.startswith(COLLECTIONS["DeviceClass"]) and method == "GET":
@@ -495,6 +548,25 @@ class FakeApiServer:
         if request.query.get("watch") in ("1", "true"):
             return await self._watch(request, "nodes", selector)
         return web.json_response(self._list("NodeList", self.nodes.values(), selector))
+
+    async def _patch_node(self, request: web.Request, caller: Caller) -> dict[str, Any]:
+        """A JSON merge patch of a Node; a node patches only its own, and only what NodeRestriction lets it."""
+        name = request.path.removeprefix(NODES + "/")
+        if request.headers.get("Content-Type") != "application/merge-patch+json":
+            raise Problem(415, "UnsupportedMediaType", "the body of the request was in an unknown format")
+        patch = await self._body(request)
+        if caller is Caller.NODE:
+            if name != self.node_name:
+                raise Problem(403, "Forbidden", f"node '{self.node_name}' cannot modify node '{name}'")
+            for key, value in patch.items():
+                allowed = _NODE_MAY_PATCH.get(key)
+                if allowed is None or not isinstance(value, dict) or set(value) - allowed:
+                    raise Problem(403, "Forbidden", f"node '{self.node_name}' is not allowed to modify {key}")
+        self._get(self.nodes, name, "nodes")  # 404 when there is none
+        node = self.nodes[name]
+        merge_patch(node, patch)
+        self._record("nodes", "MODIFIED", node)
+        return copy.deepcopy(node)
 
     def _list(self, kind: str, objs: Any, selector: dict[str, str]) -> dict[str, Any]:
         items = [copy.deepcopy(o) for o in objs if self._selected(o, selector)]
@@ -673,7 +745,8 @@ class FakeApiServer:
             )
             watcher.queue.put_nowait(None)
         elif since in ("", "0"):
-            for obj in (self.slices if resource == "resourceslices" else self.nodes).values():
+            store = {"resourceslices": self.slices, "pods": self.pods}.get(resource, self.nodes)
+            for obj in store.values():
                 if self._selected(obj, selector):
                     watcher.queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(obj)})
         else:

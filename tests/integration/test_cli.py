@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.support import run_cli
 
-COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests", "reload")
+COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests", "reload", "switch-mode")
 EX_USAGE = 2
 EX_CONFIG = 78
 KVM = '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n'
@@ -82,6 +82,19 @@ async def test_help_lists_each_command_once_with_its_line() -> None:
         description = own.split("\n\n")[1].replace("\n", " ")
         line = next(line for line in lines if line.split()[:1] == [name])
         assert description == line.split(maxsplit=1)[1], (description, line)
+
+
+async def test_switch_mode_needs_the_dra_table(tmp_path: Path) -> None:
+    """``switch-mode`` without a ``[dra]`` table (no node name, no credentials) is a config error, 78,
+    before anything changes; a mode it does not know is a usage error."""
+    cfg = config_file(tmp_path, KVM)
+    before = cfg.read_text()
+    status, _, err = await run_cli("switch-mode", "dra", "--config", str(cfg), "--systemctl", "/bin/false")
+    assert status == EX_CONFIG, err
+    assert "dra: switch-mode needs the [dra] table" in err
+    assert cfg.read_text() == before
+    status, _, err = await run_cli("switch-mode", "both", "--config", str(cfg))
+    assert status == EX_USAGE and "invalid choice: 'both'" in err, err
 
 
 async def test_probe_timeout_has_a_default_and_must_be_positive(tmp_path: Path) -> None:

@@ -47,9 +47,12 @@ class TestDraMode:
                 assert (await node.kubelet.next_event("registered")).name == DRIVER
                 status = await node.status("registered with kubelet, slice published")
                 # the runtime's CDI verdict follows as its own part once the runtime (absent here) was asked
-                assert status.split(" | cdi: ")[0] == (
+                dra_part, withheld_part = status.split(" | cdi: ")[0].split(" | ")
+                assert dra_part == (
                     "dra: registered with kubelet, slice published (128 devices), layout units (sharing set in config)"
                 )
+                # the device-plugin path DRA mode keeps registered with every unit Unhealthy (no kubelet.sock here)
+                assert withheld_part.startswith("ate.dev/kvm: device-plugin path withheld (DRA mode)")
                 (published,) = node.api.node_slices()
                 assert published["spec"]["driver"] == DRIVER and len(published["spec"]["devices"]) == 128
                 claim = node.claim("vm-1")
@@ -452,3 +455,45 @@ class TestKubeletFollowed:
             await health_held(node)
             # the new kubelet's kubelet.sock events, whenever they are read, leave it registered
             assert node.running.daemon.status_line().startswith("dra: registered with kubelet")
+
+
+class TestDevicePluginModeWithDraTable:
+    async def test_unprepare_only_driver_refuses_prepare_and_unprepares(
+        self, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Device-plugin mode with a [dra] table keeps DRA's plugin registered for unprepare only: no slice,
+        a prepare refused with the reason, an unprepare answered (DRA pods left here can be deleted)."""
+        async with short_dir() as base:
+            from tests.fakes.dra_kubelet import FakeDraKubelet
+
+            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "none"), kubelet_dir=str(base / "kubelet"))
+            plugin_dir = base / "device-plugins"
+            plugin_dir.mkdir()
+            config = dataclasses.replace(kvm_config(plugin_dir, fake_root, cdi=True), dra=dra)
+            kubelet = FakeDraKubelet(base / "kubelet")
+            async with daemon_in_process(config, kernel) as running:
+                await kubelet.start()
+                try:
+                    assert (await kubelet.next_event("registered")).name == DRIVER
+                    claim = ("default", "uid-1", "vm-1")
+                    response = await kubelet.prepare(DRIVER, claim)
+                    assert "unprepare only (device-plugin mode" in response.claims["uid-1"].error
+                    response = await kubelet.unprepare(DRIVER, claim)
+                    assert response.claims["uid-1"].error == ""
+                    assert "dra: unprepare only" in running.daemon.status_line()
+                finally:
+                    await kubelet.stop()
+
+    async def test_without_kubelets_plugin_directories_it_runs_on(self, fake_root: Path, kernel: FakeKernel) -> None:
+        """Where kubelet's plugin directories cannot be made (the unit without dra-mode.conf), the
+        unprepare-only driver is left out with one warning and device-plugin mode serves as before."""
+        async with short_dir() as base:
+            (base / "file").write_text("")
+            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "none"), kubelet_dir=str(base / "file"))
+            plugin_dir = base / "device-plugins"
+            plugin_dir.mkdir()
+            config = dataclasses.replace(kvm_config(plugin_dir, fake_root, cdi=True), dra=dra)
+            async with daemon_in_process(config, kernel) as running:
+                await running.events.wait_for("dra-unprepare-unavailable")
+                await running.events.wait_for("ready")
+                assert "dra:" not in running.daemon.status_line()

@@ -39,6 +39,22 @@ class TestDevicePluginService:
             assert [d.health for d in third.devices] == ["Healthy"] * 4
             call.cancel()
 
+    async def test_withheld_path_is_unhealthy_whatever_the_device(self, tmp_path: Path) -> None:
+        """DRA mode's withheld path: every unit Unhealthy with the device present (allocatable 0), no
+        PreStartContainer asked (kubelet 1.36's check passes), Allocate refused."""
+        res = kvm_resource(count=4)
+        async with served(tmp_path, res, withheld=True) as (_, stub):
+            opts = await stub.GetDevicePluginOptions(api_pb2.Empty())
+            assert not opts.pre_start_required
+            call = stub.ListAndWatch(api_pb2.Empty())
+            assert [d.health for d in (await call.read()).devices] == ["Unhealthy"] * 4
+            call.cancel()
+            assert res.usable
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Allocate(alloc(["kvm-0"]))
+            assert exc.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "device-plugin path withheld (DRA mode)" in str(exc.value.details())
+
     async def test_list_and_watch_ignores_non_changes(self, tmp_path: Path) -> None:
         """A re-probe with the same health sends nothing."""
         res = kvm_resource(count=2)

@@ -24,7 +24,12 @@ COMMANDS = {
     "doctor": "check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL",
     "dra-manifests": "print the DeviceClasses (and RBAC) an administrator applies once for DRA mode",
     "reload": "make the running daemon reload its config and wait for its verdict; exit 1 when refused",
+    "switch-mode": "move this node to dra or device-plugin mode, pods running and arriving: none lost",
 }
+#: `switch-mode --timeout` when not given: how long each wait of the move may take, in seconds.
+SWITCH_TIMEOUT = 300.0
+#: `switch-mode --settle`: how long every pod bound here must stay admitted before the restart.
+SWITCH_SETTLE = 2.0
 #: `probe --timeout` when not given, in seconds.
 PROBE_TIMEOUT = 5.0
 #: `reload --timeout` when not given, in seconds: how long the daemon's verdict is waited for.
@@ -43,6 +48,7 @@ examples:
   ate-devplugd doctor --json
   ate-devplugd dra-manifests --config /etc/ate-devplugd/config.toml | kubectl apply -f -
   systemctl reload ate-devplugd      (runs: ate-devplugd reload --pid $MAINPID)
+  ate-devplugd switch-mode dra       (and back: ate-devplugd switch-mode device-plugin)
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
              77 not root: cannot create or write the plugin directory (EX_NOPERM);
@@ -125,6 +131,43 @@ def build_parser() -> argparse.ArgumentParser:
         default=RELOAD_TIMEOUT,
         metavar="SECONDS",
         help=f"how long to wait for the daemon's verdict (default {RELOAD_TIMEOUT:g})",
+    )
+
+    switch = command("switch-mode")
+    switch.add_argument("mode", choices=("dra", "device-plugin"), help="the mode to move this node to")
+    switch.add_argument(
+        "--timeout",
+        type=seconds,
+        default=SWITCH_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long each wait may take before the command gives up, saying where the node stands "
+        f"(default {SWITCH_TIMEOUT:g})",
+    )
+    switch.add_argument(
+        "--settle",
+        type=seconds,
+        default=SWITCH_SETTLE,
+        metavar="SECONDS",
+        help=f"how long every pod bound here must stay admitted after the cordon (default {SWITCH_SETTLE:g})",
+    )
+    switch.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="the credentials to cordon the Node, list its pods and delete its slices with (default: the "
+        "[dra] table's kubeconfig; the service account of dra-manifests may not patch Nodes or list pods)",
+    )
+    switch.add_argument("--systemctl", default="systemctl", metavar="CMD", help="the systemctl to run")
+    switch.add_argument(
+        "--dropin-dir",
+        default="/etc/systemd/system/ate-devplugd.service.d",
+        metavar="DIR",
+        help="the unit's drop-in directory (default %(default)s)",
+    )
+    switch.add_argument(
+        "--dropin-source",
+        default="/usr/share/ate-devplugd/dra-mode.conf",
+        metavar="PATH",
+        help="the drop-in DRA mode needs, linked there (default %(default)s)",
     )
 
     manifests = command("dra-manifests")

@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ate_devplugd.base.grpc_compat import grpc_runtime
 from ate_devplugd.base.logs import EventLog
@@ -30,7 +29,7 @@ from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff, diff
 from ate_devplugd.cri.check import RuntimeCheck
 from ate_devplugd.cri.facts import RuntimeReport, wanted
-from ate_devplugd.deviceplugin.plugins import DevicePlugins
+from ate_devplugd.daemon.modes import Modes
 from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError, make_plugin_dir, no_permission
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.devices import Resource
@@ -42,9 +41,6 @@ from ate_devplugd.reload.rundir import RuntimeFiles
 from ate_devplugd.signals.metrics import Metrics
 from ate_devplugd.signals.notify import Notifier, watchdog_interval
 from ate_devplugd.signals.textfile import TextfileWriter
-
-if TYPE_CHECKING:
-    from ate_devplugd.dra.mode import DraMode
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +74,8 @@ class Daemon:
         self._runtime = RuntimeCheck(self._runtime_report)
         self._reloads = ReloadReport(self._metrics, self._files)
         self._devices: DeviceWatch | None = None
-        #: Device-plugin mode's sessions, or DRA mode's driver: what serves the resources to kubelet.
-        self._mode: DevicePlugins | DraMode | None = None
+        #: Device-plugin mode's sessions or DRA mode's driver, each with the other's part a move needs.
+        self._mode: Modes | None = None
         self._stop_requested = False
         self._wake = asyncio.Event()
         self._reload_requested = False
@@ -153,12 +149,7 @@ class Daemon:
         self._devices = DeviceWatch(self.config, self._looked, self._kernel, self._monitor_factory)
         registry = self._devices.registry
         # The mode before the first look: it reports what each look means to kubelet (its gauges).
-        if self.config.dra is not None and self.config.mode == "dra":
-            from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only in DRA mode
-
-            self._mode = DraMode(self.config.dra, registry, self._metrics, self._update_status, self._watch)
-        else:
-            self._mode = DevicePlugins(registry, self._watch, self._metrics, self._update_status)
+        self._mode = Modes(self.config, registry, self._watch, self._metrics, self._update_status)
         try:
             await self._apply(None, self.config)
         except PermissionError as exc:  # DRA mode makes its directories in kubelet's, as root only can

@@ -42,10 +42,12 @@ class PluginServer:
         socket_path: str,
         on_streams: Callable[[int], None] | None = None,
         counter: AllocateCounter | None = None,
+        *,
+        withheld: bool = False,
     ) -> None:
         self.resource = resource
         self.socket_path = socket_path
-        self.servicer = DevicePluginServicer(resource, on_streams, counter)
+        self.servicer = DevicePluginServicer(resource, on_streams, counter, withheld=withheld)
         self._unix = UnixServer(
             socket_path,
             functools.partial(api_pb2_grpc.add_DevicePluginServicer_to_server, self.servicer),

@@ -31,8 +31,12 @@ class DevicePlugins:
         watch: KubeletWatch,
         metrics: Metrics,
         on_state: Callable[[], None],
+        *,
+        withheld: bool = False,
     ) -> None:
         self._registry = registry
+        #: DRA mode's withheld path: every session serves every unit Unhealthy (``servicer``).
+        self._withheld = withheld
         self._watch = watch
         self._metrics = metrics
         self._on_state = on_state
@@ -45,7 +49,9 @@ class DevicePlugins:
         for name in names:
             resource = self._registry.resources[name]
             socket_path = posixpath.join(self._watch.plugin_dir, resource.config.socket_name)
-            session = Session(resource, socket_path, self._watch, self._on_state, self._metrics)
+            session = Session(
+                resource, socket_path, self._watch, self._on_state, self._metrics, withheld=self._withheld
+            )
             self._sessions[name] = session
             self._tasks[name] = loop.create_task(session.run(), name=f"session {name}")
         waits = [self._sessions[name].first_attempt.wait() for name in names]

@@ -36,9 +36,13 @@ def device_list(prefix: str, count: int, health: str) -> api_pb2.ListAndWatchRes
     return api_pb2.ListAndWatchResponse.FromString(encoded)
 
 
-def list_response(resource: Resource) -> api_pb2.ListAndWatchResponse:
-    """What ListAndWatch sends for ``resource`` now."""
-    health = HEALTHY if resource.usable else UNHEALTHY
+#: What a withheld device-plugin path says (DRA mode keeps one registered: see ``DevicePluginServicer``).
+WITHHELD = "device-plugin path withheld (DRA mode)"
+
+
+def list_response(resource: Resource, withheld: bool = False) -> api_pb2.ListAndWatchResponse:
+    """What ListAndWatch sends for ``resource`` now (every unit Unhealthy while the path is withheld)."""
+    health = HEALTHY if resource.usable and not withheld else UNHEALTHY
     return device_list(resource.config.id_prefix, resource.config.count, health)
 
 
@@ -58,15 +62,24 @@ class _NoCounter:
 
 
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
-    """The DevicePlugin service for one resource; ``on_streams`` hears the number of open streams."""
+    """The DevicePlugin service for one resource; ``on_streams`` hears the number of open streams.
+
+    ``withheld``: the path is kept registered with every unit Unhealthy whatever the device's state, and
+    Allocate refuses. DRA mode serves one so that the Node shows allocatable 0 (the scheduler takes the DRA
+    path) while kubelet still finds an endpoint for the name (kubelet 1.36 fails a DRA container's start
+    without one when its checkpoint holds an old device-plugin allocation: dra-contract §10).
+    """
 
     def __init__(
         self,
         resource: Resource,
         on_streams: Callable[[int], None] | None = None,
         counter: AllocateCounter | None = None,
+        *,
+        withheld: bool = False,
     ) -> None:
         self._resource = resource
+        self._withheld = withheld
         self._closing = asyncio.Event()
         self._streams = 0
         self._on_streams = on_streams
@@ -98,7 +111,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             sent = None
             while not self._closing.is_set():
                 changed = self._resource.change_event()
-                response = list_response(self._resource)
+                response = list_response(self._resource, self._withheld)
                 if response is not sent:
                     yield response
                     sent = response
@@ -141,6 +154,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     def _refusal(self, request: api_pb2.AllocateRequest) -> tuple[grpc.StatusCode, str] | None:
         """Why the request cannot be granted (status code and message), or None."""
         name = self._resource.name
+        if self._withheld:
+            return grpc.StatusCode.FAILED_PRECONDITION, f"Allocate: {name}: {WITHHELD}; it is served through DRA"
         if not request.container_requests:
             return grpc.StatusCode.INVALID_ARGUMENT, "Allocate: no container requests"
         for index, creq in enumerate(request.container_requests):

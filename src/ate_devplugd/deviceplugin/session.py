@@ -29,6 +29,7 @@ from ate_devplugd.base.backoff import Backoff
 from ate_devplugd.base.unixserver import SocketGoneError, SocketInUseError
 from ate_devplugd.base.unixsock import FileIdentity
 from ate_devplugd.deviceplugin import endpoint
+from ate_devplugd.deviceplugin.servicer import WITHHELD
 from ate_devplugd.kubelet.watch import KubeletWatch, SocketLoss
 from ate_devplugd.node.devices import Resource
 from ate_devplugd.signals.metrics import Metrics
@@ -65,9 +66,13 @@ class Session:
         watch: KubeletWatch,
         on_state: Callable[[], None],
         metrics: Metrics,
+        *,
+        withheld: bool = False,
     ) -> None:
         self.resource = resource
         self.socket_path = socket_path
+        #: Served with every unit Unhealthy (``servicer.DevicePluginServicer``): DRA mode's withheld path.
+        self.withheld = withheld
         self.state = SessionState.ABSENT
         self.detail = ""
         #: Set once the session has got as far as it can on its own (served, or waiting for something).
@@ -104,7 +109,7 @@ class Session:
         if not self.resource.healthy:
             text += f" ({self.resource.presence.reason})"
         state = self.state.value + (f": {self.detail}" if self.detail else "")
-        return f"{text}, {state}"
+        return f"{WITHHELD}, {state}" if self.withheld else f"{text}, {state}"
 
     def _set_state(self, state: SessionState, detail: str = "") -> None:
         if (state, detail) != (self.state, self.detail):
@@ -174,7 +179,9 @@ class Session:
 
     async def _serve(self) -> None:
         self._set_state(SessionState.STARTING)
-        self._server = endpoint.PluginServer(self.resource, self.socket_path, self._streams_changed, self._metrics)
+        self._server = endpoint.PluginServer(
+            self.resource, self.socket_path, self._streams_changed, self._metrics, withheld=self.withheld
+        )
         await self._server.start()
         self.resource.events.debug("serving", "serving %s on %s", self.name, self.socket_path)
 

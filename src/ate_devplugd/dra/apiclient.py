@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 NODES = "/api/v1/nodes"
+PODS = "/api/v1/pods"
 #: A single request (not a watch) that takes longer than this has failed.
 REQUEST_TIMEOUT = 15.0
 _USER_AGENT = "ate-devplugd"
@@ -90,12 +91,18 @@ class ApiClient:
         await self._session.close()
 
     async def request(
-        self, method: str, path: str, body: Mapping[str, Any] | None = None, params: Mapping[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
     ) -> dict[str, Any]:
-        """One call; returns the decoded JSON object, raises ApiError or ApiUnavailable."""
+        """One call; returns the decoded JSON object, raises ApiError or ApiUnavailable. ``content_type``:
+        the body's (``application/merge-patch+json`` for a PATCH)."""
         url = self.credentials.server + path
         data = None if body is None else json.dumps(body, separators=(",", ":"))
-        headers = {} if data is None else {"Content-Type": "application/json"}
+        headers = {} if data is None else {"Content-Type": content_type}
         try:
             async with self._session.request(
                 method,

@@ -38,6 +38,10 @@ from ate_devplugd.dra.slices import SlicePublisher, SliceState
 log = logging.getLogger(__name__)
 
 
+#: What a driver serving unprepare only says (STATUS, and each prepare it refuses).
+UNPREPARE_ONLY = "unprepare only (device-plugin mode: claims left on the node can be unprepared, none prepared)"
+
+
 class KubeletLink(enum.Enum):
     """Where the driver stands with kubelet: whether a kubelet holds its registration (STATUS= says it)."""
 
@@ -73,8 +77,12 @@ class DraStatus:
     detail: str = ""
     #: The slices' layout (None: it follows the cluster, and the API server has not answered yet).
     layout: LayoutChoice | None = None
+    #: Serving unprepare only (device-plugin mode: nothing published, every prepare refused).
+    unprepare_only: bool = False
 
     def __str__(self) -> str:
+        if self.unprepare_only:
+            return f"dra: {UNPREPARE_ONLY}, {self.kubelet.value}"
         if self.slices is SliceState.PUBLISHED:
             slices = (
                 f"slice published ({devices_text(self.devices)})"
@@ -106,7 +114,11 @@ class DraDriver:
         on_status: Callable[[DraStatus], None] | None = None,
         metrics: DraMetrics | None = None,
         kubelet: KubeletFollower | None = None,
+        unprepare_only: bool = False,
     ) -> None:
+        """``unprepare_only``: kubelet's plugin API is served and registered so that the claims of DRA pods
+        left on a node now in device-plugin mode can be unprepared (kubelet deletes no such pod without a
+        registered driver of the name); no slice is published and every prepare is refused."""
         pools, errors = build_pools(config, resources)
         if errors:
             raise ConfigError(errors)  # config.parse makes the same check: only a caller bypassing it gets here
@@ -132,6 +144,9 @@ class DraDriver:
         either = pools if config.sharing else [*pools, *(p.laid_out(Layout.SHARED) for p in pools)]
         self.health = HealthServicer(either, lambda r: self.publisher.present.get(r, False), self.kubelet_changed)
         self.preparer = Preparer(config.driver, pools, self.publisher.files, self.publisher.present, self.metrics)
+        self.unprepare_only = unprepare_only
+        if unprepare_only:
+            self.preparer.refusal = UNPREPARE_ONLY
         self._plugin = DraServer(config.plugin_socket, self._add_plugin_services)
         self._registration = DraServer(config.registration_socket, self._add_registration_service)
         self._publisher_task: asyncio.Task[None] | None = None
@@ -164,7 +179,8 @@ class DraDriver:
             self.config.plugin_socket,
             self.config.registration_socket,
         )
-        self._publisher_task = asyncio.ensure_future(self.publisher.run())
+        if not self.unprepare_only:
+            self._publisher_task = asyncio.ensure_future(self.publisher.run())
         self._notify()
 
     def set_health(self, resource: str, healthy: bool) -> None:
@@ -199,7 +215,7 @@ class DraDriver:
         pub = self.publisher
         detail = self._kubelet_detail if self.kubelet is KubeletLink.REFUSED else pub.detail
         devices = sum(pub.published.values())
-        return DraStatus(self.kubelet, pub.state, devices, pub.sharing_dropped, detail, pub.layout)
+        return DraStatus(self.kubelet, pub.state, devices, pub.sharing_dropped, detail, pub.layout, self.unprepare_only)
 
     async def stop(self) -> None:
         """Stop the publisher and both servers; the sockets are gone when this returns."""

@@ -46,8 +46,13 @@ class DraMode:
         metrics: Metrics,
         on_state: Callable[[], None],
         watch: KubeletWatch | None = None,
+        *,
+        unprepare_only: bool = False,
     ) -> None:
         self._config = config
+        #: Device-plugin mode's leftover-claims driver (``DraDriver``'s ``unprepare_only``): the gauges
+        #: are device-plugin mode's then, and device health means nothing to it.
+        self._unprepare_only = unprepare_only
         self._registry = registry
         self._metrics = metrics
         self._on_state = on_state
@@ -58,7 +63,7 @@ class DraMode:
     async def start(self, names: list[str] | tuple[str, ...]) -> None:
         """At start: serve kubelet's DRA plugin API for these resources and publish them. Later: a reload."""
         if self._driver is not None:
-            if names:
+            if names and not self._unprepare_only:
                 EventLog(log).error(
                     "reload-failed",
                     "DRA mode publishes its resources as they were at start: %s takes a restart",
@@ -70,9 +75,15 @@ class DraMode:
         dra_metrics = DraMetrics(self._config.driver, self._config.sharing, names, shared=self._metrics)
         follower = KubeletPresence(self._watch, self._kubelet_hint) if self._watch is not None else None
         self._driver = DraDriver(
-            self._config, offered, on_status=self._status_changed, metrics=dra_metrics, kubelet=follower
+            self._config,
+            offered,
+            on_status=self._status_changed,
+            metrics=dra_metrics,
+            kubelet=follower,
+            unprepare_only=self._unprepare_only,
         )
-        self._metrics.add_source(dra_metrics)
+        if not self._unprepare_only:
+            self._metrics.add_source(dra_metrics)
         for resource in resources:
             self.looked(resource)
         await self._driver.start()
@@ -81,7 +92,7 @@ class DraMode:
         """Stop serving (both sockets gone); a reload that removes resources takes a restart."""
         if names is None and self._driver is not None:
             await self._driver.stop()
-        elif names:
+        elif names and not self._unprepare_only:
             EventLog(log).error(
                 "reload-failed",
                 "DRA mode publishes its resources as they were at start: removing %s takes a restart",
@@ -92,6 +103,8 @@ class DraMode:
         """After a look at a device (its CDI spec written just before): claims get the CDI device its
         table names now (a reload may change the node's name), and its devices are withdrawn from the
         slice while it is unhealthy."""
+        if self._unprepare_only:
+            return
         if self._driver is not None and resource.name in self._driver.publisher.present:
             self._driver.set_cdi_id(resource.name, qualified_name(resource.config))
             self._driver.set_health(resource.name, resource.usable)
@@ -105,7 +118,8 @@ class DraMode:
         return str(self._driver.status()) if self._driver is not None else "dra: starting"
 
     def _status_changed(self, status: DraStatus) -> None:
-        self._update_metrics()
+        if not self._unprepare_only:
+            self._update_metrics()
         self._on_state()
 
     def _update_metrics(self) -> None:

@@ -95,6 +95,8 @@ class Preparer:
         self._present = present
         self._metrics = metrics
         self._lock = asyncio.Lock()
+        #: Set (to why) when no claim may be prepared here: the driver serves unprepare only.
+        self.refusal = ""
 
     def set_cdi_id(self, resource: str, cdi_id: str) -> bool:
         """Answer ``cdi_id`` for the devices of ``resource`` from now on; whether that changed anything."""
@@ -110,6 +112,10 @@ class Preparer:
             await api.close()
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        if self.refusal:
+            for claim in claims:
+                EventLog(log).warning("dra-prepare", "dra: cannot prepare claim %s: %s", claim, self.refusal)
+            return {claim.uid: PrepareResult(error=f"claim {claim}: {self.refusal}") for claim in claims}
         started = time.monotonic()
         deadline = asyncio.get_running_loop().time() + PREPARE_SECONDS
         async with self._lock:

@@ -33,6 +33,7 @@ from ate_devplugd import config as configmod
 from ate_devplugd.base.unixsock import socket_answers
 from ate_devplugd.commands.doctor import daemon as doctor_daemon
 from ate_devplugd.commands.doctor import runtime as doctor_runtime
+from ate_devplugd.commands.doctor import switch as doctor_switch
 from ate_devplugd.commands.findings import Finding, Level, fail, ok, warn
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.device import DeviceConfig
@@ -86,6 +87,7 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
     findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
     findings += await kubelet_findings(cfg, node)
     findings += doctor_runtime.findings(cfg, report, endpoint)
+    findings += await doctor_switch.findings(cfg, configmod.running_config_path(), TIMEOUT)
     if cfg.mode == "dra" and cfg.dra is not None:
         from ate_devplugd.commands.doctor import dra as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
 

@@ -1,0 +1,113 @@
+"""The host's side of ``switch-mode``: the config's top-level ``mode`` and the unit's DRA drop-in (and the
+name of its cordon's annotation, which ``doctor`` reads too).
+
+The config file is changed in its ``mode`` line only (added before the first table when it has none), so
+every other byte stays as the operator wrote it; the new text is validated as ``check-config`` validates
+it before it replaces the file in one step. The drop-in is a symlink to the packaged
+``dra-mode.conf``, as README's recipe makes it by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import re
+import stat
+from dataclasses import dataclass
+
+from ate_devplugd import config as configmod
+from ate_devplugd.base.atomicfile import replace_file
+from ate_devplugd.config import Config
+
+#: On the Node while the cordon is ``switch-mode``'s: only a cordon with it is lifted by it (``doctor`` reads it).
+CORDON_ANNOTATION = "ate.dev/cordoned-by"
+CORDON_VALUE = "switch-mode"
+DROPIN_DIR = "/etc/systemd/system/ate-devplugd.service.d"
+DROPIN_SOURCE = "/usr/share/ate-devplugd/dra-mode.conf"
+DROPIN_NAME = "dra-mode.conf"
+
+#: A top-level ``mode = ...`` line (before any table header), with whatever comment follows it.
+_MODE_LINE = re.compile(r'^[ \t]*mode[ \t]*=[ \t]*("[^"\n]*"|\'[^\'\n]*\')(?P<rest>[ \t]*(#[^\n]*)?)$', re.MULTILINE)
+_TABLE = re.compile(r"^[ \t]*\[", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class HostFiles:
+    """Where the config and the unit's drop-in are (a test gives its own)."""
+
+    config: str = configmod.DEFAULT_CONFIG_PATH
+    dropin_dir: str = DROPIN_DIR
+    dropin_source: str = DROPIN_SOURCE
+
+    @property
+    def dropin(self) -> str:
+        return posixpath.join(self.dropin_dir, DROPIN_NAME)
+
+
+def with_mode(text: str, mode: str) -> str:
+    """``text`` with its top-level ``mode`` set to ``mode``, every other byte kept."""
+    first_table = _TABLE.search(text)
+    top = text[: first_table.start()] if first_table else text
+    line = f'mode = "{mode}"'
+    found = _MODE_LINE.search(top)
+    if found is not None:
+        return text[: found.start()] + line + found["rest"] + text[found.end() :]
+    if first_table is None:
+        return text + ("" if not text or text.endswith("\n") else "\n") + line + "\n"
+    return text[: first_table.start()] + line + "\n\n" + text[first_table.start() :]
+
+
+def write_mode(files: HostFiles, mode: str) -> tuple[bool, Config]:
+    """Set the config file's ``mode``: whether the file changed, and the config it now holds. Raises
+    ConfigError (nothing written) when the result would not pass ``check-config``."""
+    try:
+        with open(files.config, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        text = ""
+    new = with_mode(text, mode)
+    cfg = configmod.parse(new, source=files.config)
+    review = configmod.review(cfg)
+    if review.errors:
+        raise configmod.ConfigError(list(review.errors))
+    if new == text:
+        return False, cfg
+    try:
+        mode_bits = stat.S_IMODE(os.stat(files.config).st_mode)
+    except FileNotFoundError:
+        mode_bits = 0o644
+    replace_file(files.config, new.encode(), mode_bits)
+    return True, cfg
+
+
+def dropin_linked(files: HostFiles) -> bool:
+    return os.path.lexists(files.dropin)
+
+
+def link_dropin(files: HostFiles) -> bool:
+    """The drop-in linked (whether that changed anything); a file of the operator's there is kept."""
+    if os.path.lexists(files.dropin):
+        return False
+    os.makedirs(files.dropin_dir, mode=0o755, exist_ok=True)
+    os.symlink(files.dropin_source, files.dropin)
+    return True
+
+
+def remove_dropin(files: HostFiles) -> bool:
+    """The drop-in removed (whether it was there), and its directory if that leaves it empty."""
+    if not os.path.lexists(files.dropin):
+        return False
+    os.unlink(files.dropin)
+    with contextlib.suppress(OSError):  # not empty: other drop-ins of the operator's
+        os.rmdir(files.dropin_dir)
+    return True
+
+
+def running_mode(path: str) -> str | None:
+    """The mode of the running daemon, from the copy of its config in its runtime directory (None: no
+    daemon runs, or its copy does not parse)."""
+    try:
+        return configmod.load(path).mode
+    except configmod.ConfigError:
+        return None

@@ -1,0 +1,78 @@
+"""``switch-mode``'s host side: the config's mode line (every other byte kept), the drop-in linked and removed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ate_devplugd.commands import switch_files
+from ate_devplugd.commands.switch_files import HostFiles, with_mode
+from ate_devplugd.config import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "expected"),
+    [
+        (
+            'mode = "dra"  # moved on Monday\n[dra]\n',
+            "device-plugin",
+            'mode = "device-plugin"  # moved on Monday\n[dra]\n',
+        ),
+        (
+            "# c\nlog_level = 'info'\n\n[dra]\nnode_name = 'a'\n",
+            "dra",
+            "# c\nlog_level = 'info'\n\nmode = \"dra\"\n\n[dra]\nnode_name = 'a'\n",
+        ),
+        ("log_level = 'info'", "dra", "log_level = 'info'\nmode = \"dra\"\n"),
+        ("", "dra", 'mode = "dra"\n'),
+        ("  mode='device-plugin'\n", "dra", 'mode = "dra"\n'),
+    ],
+)
+def test_with_mode_changes_the_mode_line_only(text: str, mode: str, expected: str) -> None:
+    assert with_mode(text, mode) == expected
+
+
+def test_write_mode_refuses_a_config_check_config_refuses(tmp_path: Path) -> None:
+    """Nothing is written when the result would not pass check-config (here: DRA mode without [dra])."""
+    config = tmp_path / "config.toml"
+    config.write_text("log_level = 'nonsense'\n")
+    with pytest.raises(ConfigError):
+        switch_files.write_mode(HostFiles(str(config)), "dra")
+    assert config.read_text() == "log_level = 'nonsense'\n"
+
+
+def test_write_mode_keeps_the_file_mode_and_says_whether_it_changed(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[dra]\nnode_name = "node-1"\n')
+    config.chmod(0o640)
+    files = HostFiles(str(config))
+    changed, cfg = switch_files.write_mode(files, "dra")
+    assert changed and cfg.mode == "dra" and config.stat().st_mode & 0o777 == 0o640
+    assert switch_files.write_mode(files, "dra")[0] is False
+
+
+def test_dropin_linked_then_removed_leaves_nothing(tmp_path: Path) -> None:
+    source = tmp_path / "dra-mode.conf"
+    source.write_text("[Service]\n")
+    files = HostFiles(str(tmp_path / "config.toml"), str(tmp_path / "ate-devplugd.service.d"), str(source))
+    assert switch_files.link_dropin(files) and not switch_files.link_dropin(files)
+    assert Path(files.dropin).resolve() == source
+    assert switch_files.remove_dropin(files) and not switch_files.remove_dropin(files)
+    assert not (tmp_path / "ate-devplugd.service.d").exists()
+
+
+async def test_doctor_says_a_node_is_half_way(tmp_path: Path) -> None:
+    """The config's mode against the running daemon's copy of its own: a WARN with the ways on."""
+    from ate_devplugd.commands.doctor import switch as doctor_switch
+    from ate_devplugd.commands.findings import Level
+    from ate_devplugd.config import parse
+
+    running = tmp_path / "running.toml"
+    running.write_text('mode = "device-plugin"\n')
+    (found,) = await doctor_switch.findings(parse('mode = "dra"\n'), str(running), 1.0)
+    assert found.level is Level.WARN and "half-way" in found.message
+    assert "switch-mode dra" in found.remedy and "switch-mode device-plugin" in found.remedy
+    (found,) = await doctor_switch.findings(parse('mode = "device-plugin"\n'), str(running), 1.0)
+    assert found.level is Level.OK
+    assert await doctor_switch.findings(parse(""), str(tmp_path / "none"), 1.0) == []
