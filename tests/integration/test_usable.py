@@ -11,11 +11,12 @@ import json
 import time
 from pathlib import Path
 
+from ate_devplugd.commands.probe import deviceplugin as nodeprobe
 from ate_devplugd.cri.usable import EVENT_OFFERED, EVENT_WITHHELD, HOLD
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.fakes.kubelet import FakeKubelet
 from tests.integration.dra_rig import dra_node
-from tests.support import FakeKernel, daemon_in_process, kvm_config, started_kubelet
+from tests.support import FakeKernel, daemon_in_process, kvm_config, started_kubelet, wait_for_content
 
 RESOURCE = "ate.dev/kvm"
 #: From the runtime's change to what kubelet (or the API server) sees: the hold, and some room.
@@ -55,7 +56,8 @@ class TestDevicePluginMode:
     ) -> None:
         """cdi = "required", a runtime with CDI off: allocatable 0 within the bound, STATUS and the event say
         why; the runtime fixed: 4096 again. Capacity (the units listed) stays."""
-        config = kvm_config(plugin_dir, fake_root, cdi=True, cdi_required=True)
+        prom = tmp_path / "m.prom"
+        config = kvm_config(plugin_dir, fake_root, cdi=True, cdi_required=True, metrics_file=prom)
         cdi = [config.cdi_dir]
         runtime = await FakeRuntime(Path(config.runtime_socket), "containerd", "1.7.24", containerd_info(False)).start()
         kubelet = await started_kubelet(plugin_dir)
@@ -71,12 +73,22 @@ class TestDevicePluginMode:
                 event = await running.events.wait_for(EVENT_WITHHELD)
                 assert event.levelname == "WARNING" and "cdi-not-applied" in event.getMessage()
                 assert "withheld: cdi-not-applied" in running.daemon.status_line()
+                await wait_for_content(
+                    prom, 'ate_devplugd_device_withheld{reason="cdi-not-applied",resource="ate.dev/kvm"} 1'
+                )
+                text = prom.read_text()
+                assert 'ate_devplugd_device_usable{resource="ate.dev/kvm"} 0' in text
+                assert 'ate_devplugd_device_healthy{resource="ate.dev/kvm"} 1' in text  # the device works
+                assert 'ate_devplugd_healthy_units{resource="ate.dev/kvm"} 0' in text
+                (row,) = await nodeprobe.probe_all(str(plugin_dir), {"ate.dev-kvm.sock": RESOURCE}, 3, str(prom))
+                assert (row.healthy, row.total, row.grants) == (0, 4096, "(withheld: cdi-not-applied; no unit offered)")
                 begin = time.monotonic()
                 runtime = await restarted(runtime, True, cdi)
                 await allocatable(kubelet, 4096, BOUND + 1)
                 print(f"offered again {1000 * (time.monotonic() - begin):.0f} ms after the runtime's restart")
                 await running.events.wait_for(EVENT_OFFERED)
                 assert "withheld" not in running.daemon.status_line()
+                await wait_for_content(prom, 'ate_devplugd_device_usable{resource="ate.dev/kvm"} 1')
                 assert len(running.events.named(EVENT_WITHHELD)) == 1
         finally:
             await kubelet.stop()

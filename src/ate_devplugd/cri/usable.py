@@ -9,9 +9,10 @@ whether our spec is on disk, and how much the device needs CDI (``need``):
 - ``cdi = true``: a runtime that applies CDI but cannot resolve our name to our spec (another spec of the
   same directory defines it, a later directory's spec replaces it, ours is refused or missing) fails the
   container or hands it another device: withheld. A runtime that ignores CDI still grants the host's
-  node through the DeviceSpec, which a root VMM opens, so only a table that gives the container an
-  owner or mode of its own (``container_uid``, ``container_gid``, ``container_mode``: a VMM that is not
-  root depends on them) is withheld then.
+  node through the DeviceSpec, which a root VMM opens, so only a table that gives the node an owner in
+  the container (``container_uid`` or ``container_gid``: the user a VMM that is not root runs as) is
+  withheld then. ``container_mode`` alone does not count: every table has one (0o666 when not given,
+  and ``check-config`` writes it out), so it cannot tell a VMM that is not root.
 - ``cdi = "required"``, and every device in DRA mode (CDI is DRA's only path): withheld whenever the
   runtime does not apply our names.
 
@@ -65,16 +66,16 @@ class Need(enum.Enum):
 
     #: ``cdi = false``: the DeviceSpec is its path.
     NONE = "none"
-    #: ``cdi = true`` without a container owner or mode: a broken spec withholds, CDI off does not.
+    #: ``cdi = true`` without a container owner: a broken spec withholds, CDI off does not.
     SPEC = "spec"
-    #: ``cdi = "required"``, a container owner or mode, or DRA mode: CDI off withholds too.
+    #: ``cdi = "required"``, a container owner (uid or gid), or DRA mode: CDI off withholds too.
     REQUIRED = "required"
 
 
 def need(dev: DeviceConfig, mode: str) -> Need:
     if not dev.cdi:
         return Need.NONE
-    own = (dev.container_uid, dev.container_gid, dev.container_mode) != (None, None, None)
+    own = dev.container_uid is not None or dev.container_gid is not None
     return Need.REQUIRED if dev.cdi_required or own or mode == "dra" else Need.SPEC
 
 
