@@ -187,7 +187,7 @@ def _probe(cfg: configmod.Config, timeout: float) -> int:
 
     ours = {dev.socket_name: dev.resource for dev in cfg.devices}
     try:
-        rows = asyncio.run(nodeprobe.probe_all(cfg.plugin_dir, ours, timeout))
+        rows = asyncio.run(nodeprobe.probe_all(cfg.plugin_dir, ours, timeout, cfg.metrics_file))
     except OSError as exc:
         print(f"ate-devplugd: cannot read {cfg.plugin_dir}: {exc.strerror}", file=sys.stderr)
         return EX_FAILURE

@@ -97,10 +97,24 @@ class Truth:
     file: str = "running"
     #: DRA mode: the API server answers (None in device-plugin mode).
     api: bool | None = None
+    #: The device needs CDI applied (``cdi = "required"``; always in DRA mode).
+    required: bool = False
+    #: A second spec defining our name is in the spec directory the runtime reads (ours).
+    conflict: bool = False
+
+    def withheld(self) -> str | None:
+        """Why a pod would not get the device now were it there (cri.usable), or None; unknown never
+        withholds."""
+        if self.enable_cdi is None:
+            return None
+        if self.required and not self.enable_cdi:
+            return "cdi-not-applied"
+        return "spec-conflict" if self.conflict and self.enable_cdi else None
 
     def facts(self) -> Facts:
-        """Each fact as every signal must say it (None: no signal need say it now)."""
-        healthy = self.count if self.present else 0
+        """Each fact as every signal must say it (None: no signal need say it now). ``healthy``: the units
+        offered as Healthy (a withheld device's are not)."""
+        healthy = self.count if self.present and self.withheld() is None else 0
         return {
             "kubelet": self.kubelet,
             "registered": self.kubelet,
@@ -112,6 +126,8 @@ class Truth:
             "published": None if self.api is False else healthy,
             "api": self.api,
             "verdict": {None: "unknown", True: "applied", False: "not_applied"}[self.enable_cdi],
+            "withheld": self.withheld() or "no",
+            "spec": "spec_conflict" if self.conflict and self.enable_cdi else "ok",
             "refused": self.refused,
             "reloads": (self.good_reloads, self.refused_reloads),
             "config": self.file != "broken",
@@ -142,6 +158,7 @@ def status_facts(status: str | None, dra: bool) -> Facts:
         if cdi.startswith("unknown whether")
         else f"unreadable: {cdi!r}",
         "refused": any(p.startswith("reload refused ") for p in parts[1:]),
+        "withheld": next((m[1] for p in parts if (m := re.search(r"withheld: ([a-z-]+)", p))), "no"),
     }
     if dra:
         facts["registered"] = parts[0].startswith("dra: registered with kubelet, ")
@@ -152,7 +169,9 @@ def status_facts(status: str | None, dra: bool) -> Facts:
         return facts
     m = re.match(rf"{re.escape(RESOURCE)}: (\d+)/(\d+) healthy", parts[0])
     facts["registered"] = parts[0].endswith(", registered")
-    facts["healthy"] = int(m[1]) if m else f"unreadable: {parts[0]!r}"
+    facts["healthy"] = (0 if facts["withheld"] != "no" else int(m[1])) if m else f"unreadable: {parts[0]!r}"
+    if m and int(m[1]) == 0:
+        facts["withheld"] = None  # an unhealthy device's part says why it is unhealthy
     facts["total"] = int(m[2]) if m else f"unreadable: {parts[0]!r}"
     return facts
 
@@ -165,6 +184,7 @@ def metrics_facts(path: Path, dra: bool) -> Facts:
         return {"registered": "no metrics file"}
     samples: dict[str, float] = {}
     verdict = "no runtime_cdi series at 1"
+    withheld = "no"
     for line in text.splitlines():
         if line.startswith("#") or " " not in line:
             continue
@@ -172,13 +192,19 @@ def metrics_facts(path: Path, dra: bool) -> Facts:
         samples[name] = float(value)
         if name.startswith("ate_devplugd_runtime_cdi{") and float(value) == 1:
             verdict = re.search(r'verdict="([^"]*)"', name)[1]  # type: ignore[index]
+        if name.startswith("ate_devplugd_device_withheld{") and float(value) == 1:
+            withheld = re.search(r'reason="([^"]*)"', name)[1]  # type: ignore[index]
 
     def per(metric: str) -> float | str:
         return samples.get(f'ate_devplugd_{metric}{{resource="{RESOURCE}"}}', f"no {metric}")
 
+    # a runtime that applies CDI but cannot resolve our name: the spec_* verdict of the same series
+    spec = verdict if verdict.startswith("spec_") else "ok"
     facts: Facts = {
         "present": per("device_present") == 1,
-        "verdict": verdict,
+        "verdict": "applied" if spec != "ok" else verdict,
+        "spec": spec,
+        "withheld": withheld,
         "reloads": (samples.get("ate_devplugd_reloads_total"), samples.get("ate_devplugd_reload_failures_total")),
     }
     if dra:
@@ -375,6 +401,7 @@ class Node:
         else:
             out += [("runtime-restart", self.runtime_restart), ("runtime-stop", self.runtime_stop)]
         out.append(("device-vanish", self.device_vanish) if t.present else ("device-return", self.device_return))
+        out.append(("spec-conflict", self.spec_conflict))
         return out
 
     @contextlib.asynccontextmanager
@@ -531,6 +558,18 @@ class Node:
         self.truth.file = "running"
         return "fix-file (the running config written back, no reload)"
 
+    async def spec_conflict(self) -> str:
+        """A second spec defining ate.dev/kvm=kvm dropped into the runtime's spec directory, or removed."""
+        other = Path(self.config().cdi_dir) / "other.json"
+        if self.truth.conflict:
+            other.unlink()
+        else:
+            node = {"path": "/dev/kvm", "type": "c", "major": 10, "minor": 232}
+            device = {"name": "kvm", "containerEdits": {"deviceNodes": [node]}}
+            other.write_text(json.dumps({"cdiVersion": "0.6.0", "kind": RESOURCE, "devices": [device]}))
+        self.truth.conflict = not self.truth.conflict
+        return "spec-conflict (added)" if self.truth.conflict else "spec-conflict (removed)"
+
     async def device_vanish(self) -> str:
         (self.dev_root / "dev" / "kvm").unlink()
         await asyncio.to_thread(kvm_uevent)
@@ -579,7 +618,7 @@ class Node:
             f"{self.figures.report(f'{self.mode}, {events} events in {took:.0f} s')}\n"
             f"  (at the start, from the daemon's launch: {started_in}; doctor ran {len(runs)} times, "
             f"{1000 * runs[len(runs) // 2]:.0f} ms median, {1000 * runs[-1]:.0f} ms at most)\n"
-            f"  events: {'; '.join(self.history)}"
+            f"  events ({'cdi = required' if self.truth.required else 'cdi = true'}): {'; '.join(self.history)}"
         )
 
 
@@ -592,10 +631,15 @@ class DevicePluginNode(Node):
         super().__init__(base, dev_root, rng)
         self.plugin_dir.mkdir(mode=0o750)
         self.kubelet = FakeKubelet(self.plugin_dir, seed=SEED)
+        #: cdi = "required" (the runtime's CDI toggled then withholds the device) or plain true, by the seed
+        self.truth.required = rng.random() < 0.5
 
     def config(self, **changes: Any) -> configmod.Config:
         count = changes.pop("count", self.truth.count)
-        config = kvm_config(self.plugin_dir, self.dev_root, count, metrics_file=self.prom, cdi=True)
+        required = self.truth.required
+        config = kvm_config(
+            self.plugin_dir, self.dev_root, count, metrics_file=self.prom, cdi=True, cdi_required=required
+        )
         return dataclasses.replace(config, runtime_socket=str(self.socket), **changes)
 
     def cheap_signals(self) -> dict[str, Callable[[], Facts]]:
@@ -660,7 +704,7 @@ class DraNode(Node):
 
     def __init__(self, base: Path, dev_root: Path, rng: random.Random) -> None:
         super().__init__(base, dev_root, rng)
-        self.truth = Truth(count=DRA_DEVICES, api=True)
+        self.truth = Truth(count=DRA_DEVICES, api=True, required=True)  # DRA hands devices over through CDI only
         self.plugin_dir.mkdir(mode=0o750)
         self.api = FakeApiServer(NODE, token="t0ken")
         self.kubelet = FakeDraKubelet(

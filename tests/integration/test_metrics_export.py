@@ -165,10 +165,10 @@ class TestPromtool:
         writer.close()
 
     async def test_check_rules_accepts_the_shipped_rules(self) -> None:
-        """promtool check rules accepts the nine shipped alerts."""
+        """promtool check rules accepts the eleven shipped alerts."""
         rc, out = await promtool("check", "rules", str(RULES))
         assert rc == 0, out
-        assert "SUCCESS: 9 rules found" in out, out
+        assert "SUCCESS: 11 rules found" in out, out
 
     def test_the_package_installs_the_rules_where_the_docs_say(self) -> None:
         """The .deb installs the rules file (debian/*.install) where docs/monitoring.md and ate-devplugd(8) say."""

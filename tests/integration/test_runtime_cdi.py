@@ -64,7 +64,8 @@ class TestVerdictShown:
             await notify.close()
 
     async def test_metric(self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel) -> None:
-        """One series per verdict, 1 for the current one, with the runtime named."""
+        """One series per verdict (the runtime's, then what stops our names from resolving), 1 for the
+        current one, with the runtime named."""
         cdi = str(plugin_dir.parent / "cdi")
         answer = containerd_info(True, ["/etc/cdi", cdi])
         runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "v1.7.24", answer).start()
@@ -82,6 +83,10 @@ class TestVerdictShown:
                         ("not_applied", "0"),
                         ("dir_not_read", "0"),
                         ("unknown", "0"),
+                        ("spec_conflict", "0"),
+                        ("spec_invalid", "0"),
+                        ("spec_replaced", "0"),
+                        ("spec_missing", "0"),
                     )
                 ]
         finally:

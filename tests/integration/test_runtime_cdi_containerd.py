@@ -34,6 +34,7 @@ from ate_devplugd.config import Config, render
 from ate_devplugd.cri.check import EVENT_NOT_APPLIED, EVENT_RUNTIME
 from ate_devplugd.cri.conflicts import EVENT_CONFLICT
 from ate_devplugd.cri.facts import CdiVerdict
+from ate_devplugd.cri.usable import HOLD
 from ate_devplugd.node.kernel import UdevKernelView
 from tests.fakes.kubelet import FakeKubelet
 from tests.podman import NodeStat
@@ -101,18 +102,29 @@ def kubelet_binary(tmp_path: Path) -> Path:
 
 
 async def observe(
-    containerd: ContainerdBuild, images: Images, tmp_path: Path, verdict: CdiVerdict, **cri_config: object
+    containerd: ContainerdBuild,
+    images: Images,
+    tmp_path: Path,
+    verdict: CdiVerdict,
+    *,
+    metric: str = "",
+    **cri_config: object,
 ) -> Said:
-    """A containerd of its own; the daemon asking it; doctor; then one pod with the daemon's Allocate answer."""
+    """A containerd of its own; the daemon asking it; doctor; then one pod with the daemon's Allocate answer.
+    ``metric``: the verdict label expected (the runtime's verdict unless a spec stops our name resolving).
+    Where no container would be created, kubelet must see the device withheld (allocatable 0)."""
     async with running(containerd, tmp_path / "containerd", images=[images.pause, images.checker], **cri_config) as rt:
         config, path = daemon_config(tmp_path, rt.socket)
         notify = NotifyReceiver(tmp_path / "notify")
         kubelet: FakeKubelet = await started_kubelet(Path(config.plugin_dir))
         try:
             async with daemon_in_process(config, UdevKernelView(), notify=notify.path) as running_daemon:
-                status = await notify.wait_for(lambda f: "| cdi: " in f.get("STATUS", ""), timeout=30)
                 await kubelet.next_event("list")
-                line = f'ate_devplugd_runtime_cdi{{runtime="{rt_name(status)}",verdict="{verdict.value}"}} 1'
+                # Granted at once, as to a pod admitted before the daemon heard the runtime: a device that
+                # needs what the runtime will not do is withheld (cri.usable) half a second after its verdict.
+                (response,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+                status = await notify.wait_for(lambda f: "| cdi: " in f.get("STATUS", ""), timeout=30)
+                line = f'ate_devplugd_runtime_cdi{{runtime="{rt_name(status)}",verdict="{metric or verdict.value}"}} 1'
                 await wait_for_content(Path(config.metrics_file), line)
                 prom = Path(config.metrics_file)
                 # what doctor reads of the daemon: registered, and kubelet's stream open
@@ -121,9 +133,11 @@ async def observe(
                 metrics = [m for m in prom.read_text().splitlines() if m.startswith("ate_devplugd_runtime_cdi")]
                 binary = kubelet_binary(tmp_path)
                 findings = await examine(path, Node(kernel=UdevKernelView(), find_kubelet=lambda: str(binary)))
-                (response,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
                 allocation = KvmAllocation(response, Path(config.cdi_dir))
                 run = await run_allocated(rt, allocation)
+                if run.failed_call == "CreateContainer":  # what the node advertises matches what a pod gets
+                    while kubelet.allocatable(RESOURCE) != 0:
+                        await kubelet.next_event("list", resource=RESOURCE, timeout=HOLD + 1)
                 events = running_daemon.events.named(EVENT_RUNTIME) + running_daemon.events.named(EVENT_NOT_APPLIED)
                 conflicts = running_daemon.events.named(EVENT_CONFLICT)
                 last_status = running_daemon.daemon.status_line()
@@ -153,6 +167,8 @@ def assert_said(said: Said, verdict: CdiVerdict, status_end: str, level: Level) 
     cdi = said.doctor["runtime cdi"]
     assert cdi.level is level, said.doctor_text
     assert PROMISES[verdict](said.run), said.run.summary()
+    # cdi = true: withheld where no container is created; a root VMM opens the host's node without CDI
+    assert ("withheld: cdi-not-applied" in said.last_status) is (verdict is CdiVerdict.DIR_NOT_READ), said.last_status
     for other, promise in PROMISES.items():
         if other is not verdict:
             assert not promise(said.run), (other, said.run.summary())
@@ -264,7 +280,9 @@ class TestConflictingSpec:
         other = cdi / "other.json"
         other.write_text(json.dumps(CONFLICTING_SPEC))
         verdict = CdiVerdict.APPLIED
-        said = await observe(build, cri_images, tmp_path, verdict, enable_cdi=True, cdi_spec_dirs=[cdi])
+        said = await observe(
+            build, cri_images, tmp_path, verdict, metric="spec_conflict", enable_cdi=True, cdi_spec_dirs=[cdi]
+        )
         assert said.status.endswith(f"applies CDI (reads {cdi})"), said.status
         assert said.run.failed_call == "CreateContainer", said.run.summary()
         assert "unresolvable CDI devices ate.dev/kvm=kvm" in said.run.error, said.run.error
@@ -272,6 +290,7 @@ class TestConflictingSpec:
         assert event.levelname == "WARNING"
         assert f"{other} also defines ate.dev/kvm=kvm" in event.getMessage()
         assert said.last_status.endswith(f"| cdi spec conflict: {other} also defines ate.dev/kvm=kvm")
+        assert "withheld: spec-conflict" in said.last_status, said.last_status  # no new pod is sent here
         found = said.doctor["cdi specs"]
         assert found.level is Level.FAIL, said.doctor_text
         assert found.remedy.startswith(f"remove {other}"), said.doctor_text

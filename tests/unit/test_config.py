@@ -129,7 +129,11 @@ BAD = [
     ("log_level unknown", 'log_level = "loud"\n', ["log_level: must be one of"]),
     ("not TOML", "[[device]\n", ["not valid TOML"]),
     ("ID too long", '[[device]]\nresource = "a.io/x"\npath = "/dev/' + "x" * 60 + '"\n', ["63 characters"]),
-    ("cdi a string", KVM + 'cdi = "yes"\n', ["device[0] (ate.dev/kvm): cdi: must be true or false, not 'yes'"]),
+    (
+        "cdi a string",
+        KVM + 'cdi = "yes"\n',
+        ["device[0] (ate.dev/kvm): cdi: must be true, false or 'required', not 'yes'"],
+    ),
     ("container_mode without cdi", KVM + "container_mode = 0o666\n", ["container_mode: takes effect only with cdi"]),
     (
         "container_mode too big",

@@ -16,6 +16,7 @@ from ate_devplugd.commands.findings import Level
 from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
+from ate_devplugd.cri.rules import SpecProblem, Trouble
 
 CONTAINERD = {"socket": "/run/containerd/containerd.sock", "name": "containerd", "version": "1.7.24"}
 
@@ -55,10 +56,32 @@ class TestEachVerdict:
         assert found.level is Level.WARN
         assert found.message.startswith("host 0660 ")
         assert "gets EACCES: the runtime does not apply its CDI spec" in found.message
+        assert "withholds" not in found.message  # cdi = true: a root VMM opens the host's node
         found = access_finding(config(tmp_path), device(), node(tmp_path, 0o666), report(CdiVerdict.NOT_APPLIED))
         assert found.level is Level.OK
-        assert "EACCES" not in found.message
+        assert "EACCES" not in found.message and "withholds" not in found.message
         assert "the runtime ignores the CDI spec, but any user in a container opens it" in found.message
+        for dev in (device(cdi_required=True), device(container_uid=1000)):
+            for mode in (0o660, 0o666):
+                found = access_finding(config(tmp_path), dev, node(tmp_path, mode), report(CdiVerdict.NOT_APPLIED))
+                assert found.level is Level.WARN
+                assert found.message.endswith("the daemon withholds it (cdi-not-applied)")
+
+    def test_spec_problems_agree_with_the_cdi_specs_lines(self, tmp_path: Path) -> None:
+        """Applied, but another spec conflicts with ours: no "a VMM that is not root opens it" beside the
+        spec FAIL; the access line FAILs too, and says the daemon withholds the device."""
+        conflict = SpecProblem("/etc/cdi/other.json", Trouble.CONFLICT, "ate.dev/kvm=kvm", "/etc/cdi/ate.dev-kvm.json")
+        for dev in (device(), device(cdi_required=True)):
+            found = access_finding(config(tmp_path), dev, node(tmp_path, 0o660), report(CdiVerdict.APPLIED), [conflict])
+            assert found.level is Level.FAIL
+            assert "opens it" not in found.message
+            assert "/etc/cdi/other.json also defines ate.dev/kvm=kvm" in found.message
+            assert found.message.endswith("the daemon withholds it (spec-conflict)")
+        shadowed = dataclasses.replace(conflict, trouble=Trouble.SHADOWED)
+        found = access_finding(
+            config(tmp_path), device(), node(tmp_path, 0o660), report(CdiVerdict.APPLIED), [shadowed]
+        )
+        assert found.level is Level.OK and "a VMM that is not root opens it" in found.message
 
     def test_not_applied_in_dra_mode_no_device(self, tmp_path: Path) -> None:
         found = access_finding(config(tmp_path, "dra"), device(), node(tmp_path, 0o666), report(CdiVerdict.NOT_APPLIED))

@@ -30,6 +30,7 @@ from ate_devplugd.base import atomicfile
 from ate_devplugd.config.dra import Layout
 from ate_devplugd.cri.facts import CdiVerdict
 from ate_devplugd.dra.metrics import ClaimProblem, DraMetrics
+from ate_devplugd.node.devices import Withheld
 from ate_devplugd.signals.metrics import ALLOCATE_ERROR_CODES, GRPC_CODES, Metrics
 from ate_devplugd.signals.promtext import Family, MetricType, exposition
 from ate_devplugd.signals.textfile import PROMPT_INTERVAL, TextfileWriter
@@ -102,6 +103,7 @@ class TestMetrics:
                     "device_healthy",
                     "advertised_units",
                     "healthy_units",
+                    "device_usable",
                     "registered",
                     "listandwatch_streams",
                     "registrations_total",
@@ -112,6 +114,7 @@ class TestMetrics:
                 )
             },
             **{("ate_devplugd_allocate_errors_total", (("code", c), *r)): 0.0 for c in ALLOCATE_ERROR_CODES},
+            **{("ate_devplugd_device_withheld", (("reason", w.value), *r)): 0.0 for w in Withheld},
             ("ate_devplugd_kubelet_restarts_total", ()): 0.0,
             ("ate_devplugd_reloads_total", ()): 0.0,
             ("ate_devplugd_reload_failures_total", ()): 0.0,

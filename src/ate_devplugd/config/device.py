@@ -61,6 +61,8 @@ class DeviceConfig:
     subsystem: str = "misc"
     #: Write a CDI spec for the node and name it in Allocate (the container-side owner and mode below).
     cdi: bool = False
+    #: ``cdi = "required"``: withheld whenever the runtime kubelet uses does not apply our CDI names.
+    cdi_required: bool = False
     container_mode: int | None = None
     container_uid: int | None = None
     container_gid: int | None = None
@@ -165,9 +167,9 @@ def tables(
             name = table["resource"]
             # quoted when it holds control characters: an error is one line in the journal, never more
             where = f"device[{index}] ({name if name.isprintable() else toml_str(name)})"
-        if cdi_required and table.get("cdi", True) is not True:
+        if cdi_required and table.get("cdi", True) not in (True, "required"):
             errors.append(f"{where}: cdi: must be true in DRA mode (DRA gives containers devices only through CDI)")
-        dev = _device(where, {**table, "cdi": True} if cdi_required else table, errors, gid_of)
+        dev = _device(where, {**table, "cdi": table.get("cdi", True)} if cdi_required else table, errors, gid_of)
         if dev is None:
             continue
         # One line per table, however many of its names clash: the same socket name follows from the
@@ -193,7 +195,7 @@ def tables(
 
 def _device(where: str, table: dict[str, Any], errors: list[str], gid_of: GroupLookup) -> DeviceConfig | None:
     before = len(errors)
-    fields = {f.name for f in dataclasses.fields(DeviceConfig)} - {"container_group"}
+    fields = {f.name for f in dataclasses.fields(DeviceConfig)} - {"container_group", "cdi_required"}
     errors.extend(f"{where}: unknown key {toml_value(key)}" for key in table if key not in fields)
     for key in ("resource", "path"):
         if key not in table:
@@ -255,10 +257,11 @@ def _cdi_keys(where: str, table: dict[str, Any], errors: list[str], gid_of: Grou
     """``cdi`` and the container-side owner and mode; the group name resolved to the host's gid."""
     resource, path = table.get("resource"), table.get("path")
     cdi = table.get("cdi", False)
-    if not isinstance(cdi, bool):
-        errors.append(f"{where}: cdi: must be true or false, not {toml_value(cdi)}")
+    if not isinstance(cdi, bool) and cdi != "required":
+        errors.append(f"{where}: cdi: must be true, false or 'required', not {toml_value(cdi)}")
         return {}
-    out: dict[str, Any] = {"cdi": cdi}
+    out: dict[str, Any] = {"cdi": cdi is not False, "cdi_required": cdi == "required"}
+    cdi = cdi is not False
     given = [key for key in ("container_mode", "container_uid", "container_gid") if key in table]
     if given and not cdi:
         errors.append(f"{where}: {given[0]}: takes effect only with cdi = true")
@@ -321,7 +324,10 @@ def render(dev: DeviceConfig) -> list[str]:
         lines.append(f"probe = {toml_str(dev.probe)}")
     lines.append(f"subsystem = {toml_str(dev.subsystem)}")
     if dev.cdi:
-        lines += ["cdi = true", f"container_mode = 0o{dev.node_mode:03o}"]
+        lines += [
+            f"cdi = {toml_str('required') if dev.cdi_required else 'true'}",
+            f"container_mode = 0o{dev.node_mode:03o}",
+        ]
         if dev.container_uid is not None:
             lines.append(f"container_uid = {dev.container_uid}")
         if dev.container_group is not None:

@@ -8,10 +8,9 @@ metrics file follows from then on, and so does the question to the container run
 our CDI names (``cri.check.RuntimeCheck``: asked again on reload, when kubelet starts and when the
 runtime's socket is created again; "unknown" as soon as it goes; on a timer only while a runtime that is
 there does not answer yet). The main loop sleeps until a signal's flag is set; the only timers are the
-watchdog ping, the sessions' and the runtime check's back-offs and the coalescing delays of the metrics
-file and of the runtime socket's events. A reload is applied whole or
-not at all: ``reload.decision`` refuses it before anything changes, and ``reload.report`` says how each
-one went (STATUS, journal, counters, and the record ``ate-devplugd reload`` waits for).
+watchdog ping, back-offs and coalescing delays (the metrics file, the runtime socket's events, a device
+withheld or offered: ``cri.usable``). A reload is applied whole or not at all (``reload.decision``);
+``reload.report`` says how each went (STATUS, journal, counters, the record ``ate-devplugd reload`` reads).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff, diff
 from ate_devplugd.cri.check import RuntimeCheck
 from ate_devplugd.cri.facts import RuntimeReport, wanted
+from ate_devplugd.cri.usable import Usability
 from ate_devplugd.daemon.modes import Modes
 from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError, make_plugin_dir, no_permission
 from ate_devplugd.kubelet.watch import KubeletWatch
@@ -72,6 +72,7 @@ class Daemon:
         self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
         self._watch = KubeletWatch(config.plugin_dir, self._kubelet_started)
         self._runtime = RuntimeCheck(self._runtime_report)
+        self._usable = Usability(self._looked, self._metrics.set_runtime_cdi)
         self._reloads = ReloadReport(self._metrics, self._files)
         self._devices: DeviceWatch | None = None
         #: Device-plugin mode's sessions or DRA mode's driver, each with the other's part a move needs.
@@ -129,6 +130,7 @@ class Daemon:
             if watchdog is not None:
                 watchdog.cancel()
             await self._runtime.close()
+            self._usable.close()
             if self._mode is not None:
                 await self._mode.stop()
             self._metrics_file.close()
@@ -212,8 +214,9 @@ class Daemon:
             self._reloads.applied(change)
 
     def _looked(self, resource: Resource, event: str | None) -> None:
-        """After each look at a device (its CDI spec written): the mode (and the metrics it reports), and
-        STATUS when its health changed."""
+        """After each look at a device (its CDI spec written) and each change of its withholding: whether
+        it is usable (``cri.usable``), the mode (and the metrics it reports), and STATUS when it changed."""
+        self._usable.update(self._devices, self.config, self._runtime.report, self._runtime.spec_problems)
         if self._mode is not None:
             self._mode.looked(resource)
         if event is not None:
@@ -233,10 +236,7 @@ class Daemon:
         )
 
     def _runtime_report(self, report: RuntimeReport | None) -> None:
-        if report is None:
-            self._metrics.set_runtime_cdi(None)
-        else:
-            self._metrics.set_runtime_cdi(report.verdict, report.runtime)
+        self._usable.update(self._devices, self.config, report, self._runtime.spec_problems)
         self._update_status()
 
     async def _main_loop(self) -> None:

@@ -70,11 +70,15 @@ class DevicePlugins:
             self._sessions.pop(name, None)
 
     def looked(self, resource: Resource) -> None:
-        """A look at a device: its gauges (every unit offered once the device was first seen). Each
-        session follows its resource itself (its change event)."""
+        """A look at a device, or a change of its withholding: its gauges (every unit offered once the
+        device was first seen). Each session follows its resource itself (its change event)."""
         units = resource.config.count if resource.seen.is_set() else 0
         self._metrics.set_device(
-            resource.name, present=resource.presence.present, healthy=resource.healthy, advertised_units=units
+            resource.name,
+            present=resource.presence.present,
+            healthy=resource.healthy,
+            advertised_units=units,
+            withheld=resource.withheld,
         )
 
     def status_line(self) -> str:

@@ -108,6 +108,8 @@ class Session:
         text = f"{count if self.resource.healthy else 0}/{count} healthy"
         if not self.resource.healthy:
             text += f" ({self.resource.presence.reason})"
+        elif self.resource.withheld is not None:
+            text += f", withheld: {self.resource.withheld.reason.value}"
         state = self.state.value + (f": {self.detail}" if self.detail else "")
         return f"{WITHHELD}, {state}" if self.withheld else f"{text}, {state}"
 

@@ -183,12 +183,13 @@ class DraDriver:
             self._publisher_task = asyncio.ensure_future(self.publisher.run())
         self._notify()
 
-    def set_health(self, resource: str, healthy: bool) -> None:
-        """The daemon saw ``resource``'s device node vanish (False) or return (True).
+    def set_health(self, resource: str, healthy: bool, why: str = "") -> None:
+        """``resource``'s device became unusable (False: its node vanished or fails its probe, or it is
+        withheld, ``why``) or usable again (True).
 
         The pool's slice is written again without its devices (or with them), so the scheduler places
-        no new claim on an absent device; prepared claims are left alone. kubelet's health stream (if
-        open) hears it at once.
+        no new claim on a device a pod could not use; prepared claims are left alone. kubelet's health
+        stream (if open) hears it at once.
         """
         if resource not in self.publisher.present:
             raise KeyError(resource)
@@ -196,9 +197,9 @@ class DraDriver:
             return
         EventLog(log, resource=resource).info(
             "dra-device-healthy" if healthy else "dra-device-unhealthy",
-            "dra: %s %s: its devices are %s",
+            "dra: %s is %s: its devices are %s",
             resource,
-            "is back" if healthy else "vanished",
+            "usable again" if healthy else f"not usable ({why or 'unhealthy'})",
             "published again" if healthy else "withdrawn from its slice",
         )
         self.publisher.set_present(resource, healthy)

@@ -102,12 +102,12 @@ class DraMode:
     def looked(self, resource: Resource) -> None:
         """After a look at a device (its CDI spec written just before): claims get the CDI device its
         table names now (a reload may change the node's name), and its devices are withdrawn from the
-        slice while it is unhealthy."""
+        slice while it is not usable (unhealthy, or withheld: ``cri.usable``)."""
         if self._unprepare_only:
             return
         if self._driver is not None and resource.name in self._driver.publisher.present:
             self._driver.set_cdi_id(resource.name, qualified_name(resource.config))
-            self._driver.set_health(resource.name, resource.usable)
+            self._driver.set_health(resource.name, resource.usable, resource.unusable_reason)
         self._update_metrics()
 
     def _kubelet_hint(self) -> None:
@@ -115,7 +115,13 @@ class DraMode:
             self._driver.kubelet_changed()
 
     def status_line(self) -> str:
-        return str(self._driver.status()) if self._driver is not None else "dra: starting"
+        if self._driver is None:
+            return "dra: starting"
+        if self._unprepare_only:
+            return str(self._driver.status())
+        resources = self._registry.resources.values()
+        withheld = [f"{r.name}: withheld: {r.withheld.reason.value}" for r in resources if r.withheld is not None]
+        return " | ".join([str(self._driver.status()), *withheld])
 
     def _status_changed(self, status: DraStatus) -> None:
         if not self._unprepare_only:
@@ -133,5 +139,6 @@ class DraMode:
                 present=resource.presence.present,
                 healthy=resource.healthy,
                 advertised_units=published.get(name, 0),
+                withheld=resource.withheld,
             )
             self._metrics.set_registered(name, registered and name in published)

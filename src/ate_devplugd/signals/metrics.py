@@ -27,6 +27,8 @@ from typing import Protocol
 
 from ate_devplugd import __version__
 from ate_devplugd.cri.facts import CdiVerdict
+from ate_devplugd.cri.usable import VERDICTS
+from ate_devplugd.node.devices import Withheld, Withholding
 from ate_devplugd.signals.promtext import Family, exposition
 
 PREFIX = "ate_devplugd_"
@@ -79,6 +81,12 @@ class _Resource:
     allocations: int = 0
     allocate_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALLOCATE_ERROR_CODES, 0))
     health_transitions: int = 0
+    #: Why the device is withheld (``cri.usable``), None while it is not.
+    withheld: Withheld | None = None
+
+
+def _usable(r: _Resource) -> int:
+    return int(r.healthy and r.withheld is None)
 
 
 # (name without prefix, help, value) for the per-resource gauges and counters.
@@ -86,7 +94,8 @@ _GAUGES: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
     ("device_present", "1 if the resource's device node is present on the node.", lambda r: r.present),
     ("device_healthy", "1 if the device is present and passes its probe (its units are Healthy).", lambda r: r.healthy),
     ("advertised_units", "Units offered to kubelet (0 before the device was present).", lambda r: r.advertised_units),
-    ("healthy_units", "Advertised units that are Healthy.", lambda r: r.advertised_units if r.healthy else 0),
+    ("healthy_units", "Advertised units that are Healthy (usable).", lambda r: r.advertised_units * _usable(r)),
+    ("device_usable", "1 if the device is healthy and not withheld: a pod granted it gets a working device.", _usable),
     ("registered", "1 while kubelet holds a registration of the resource's current server.", lambda r: r.registered),
     ("listandwatch_streams", "ListAndWatch streams kubelet holds open (1 while it watches).", lambda r: r.streams),
 )  # fmt: skip
@@ -113,8 +122,9 @@ class Metrics:
         self.kubelet_restarts = 0
         self.reloads = 0
         self.reload_failures = 0
-        #: The runtime's CDI verdict and the runtime (``containerd 1.7.24``); None while nothing is checked.
-        self._runtime_cdi: tuple[CdiVerdict, str] | None = None
+        #: The verdict on our CDI names (``cri.usable.verdict``) and the runtime (``containerd 1.7.24``);
+        #: None while nothing is checked.
+        self._runtime_cdi: tuple[str, str] | None = None
         self._sources: list[MetricSource] = []
 
     def _changed(self, prompt: bool = False) -> None:
@@ -145,16 +155,19 @@ class Metrics:
         self._changed()
 
     # -- state -------------------------------------------------------------------------------------
-    def set_device(self, resource: str, *, present: bool, healthy: bool, advertised_units: int) -> None:
-        """The device's state after a look; healthy units are the advertised ones while healthy. A change
-        of health after the first look counts as a health transition."""
+    def set_device(
+        self, resource: str, *, present: bool, healthy: bool, advertised_units: int, withheld: Withholding | None = None
+    ) -> None:
+        """The device's state after a look (or a change of its withholding, ``cri.usable``); healthy units
+        are the advertised ones while usable. A change of health after the first look counts as a health
+        transition."""
         r = self._resources.get(resource)
-        new = (present, healthy and present, advertised_units)
-        if r is None or ((r.present, r.healthy, r.advertised_units) == new and r.looked):
+        new = (present, healthy and present, advertised_units, withheld.reason if withheld is not None else None)
+        if r is None or ((r.present, r.healthy, r.advertised_units, r.withheld) == new and r.looked):
             return
         if r.looked and r.healthy != new[1]:
             r.health_transitions += 1
-        r.present, r.healthy, r.advertised_units = new
+        r.present, r.healthy, r.advertised_units, r.withheld = new
         r.looked = True
         self._changed(prompt=True)
 
@@ -210,9 +223,9 @@ class Metrics:
         self.reload_failures += 1
         self._changed()
 
-    def set_runtime_cdi(self, verdict: CdiVerdict | None, runtime: str = "") -> None:
-        """What the runtime does with our CDI names (None: not checked, no series)."""
-        new = None if verdict is None else (verdict, runtime)
+    def set_runtime_cdi(self, verdict: CdiVerdict | str | None, runtime: str = "") -> None:
+        """What becomes of our CDI names (one of ``cri.usable.VERDICTS``; None: not checked, no series)."""
+        new = None if verdict is None else (verdict.value if isinstance(verdict, CdiVerdict) else verdict, runtime)
         if new != self._runtime_cdi:
             self._runtime_cdi = new
             self._changed(prompt=True)
@@ -247,6 +260,17 @@ class Metrics:
             for code, count in sorted(r.allocate_errors.items()):
                 errors.add_metric([resource, code], count)
         yield errors
+        withheld = Family.gauge(
+            PREFIX + "device_withheld",
+            "1 for the reason the healthy device is withheld (not offered: a pod granted it would not get "
+            "a working device), 0 for the others.",
+            "resource",
+            "reason",
+        )
+        for resource, r in res.items():
+            for reason in Withheld:
+                withheld.add_metric([resource, reason.value], int(r.withheld is reason))
+        yield withheld
         for name, doc, count in (
             ("kubelet_restarts", "kubelet starts seen by the daemon (a new kubelet.sock).", self.kubelet_restarts),
             ("reloads", "Config reloads applied.", self.reloads),
@@ -259,12 +283,13 @@ class Metrics:
             current, runtime = self._runtime_cdi
             cdi = Family.gauge(
                 PREFIX + "runtime_cdi",
-                "1 for what the container runtime does with the daemon's CDI names, 0 for the other verdicts.",
+                "1 for what becomes of the daemon's CDI names (the runtime's verdict, or a spec_* problem that "
+                "stops one resolving to our spec where it applies CDI), 0 for the other verdicts.",
                 "verdict",
                 "runtime",
             )
-            for verdict in CdiVerdict:
-                cdi.add_metric([verdict.value, runtime], int(verdict is current))
+            for verdict in VERDICTS:
+                cdi.add_metric([verdict, runtime], int(verdict == current))
             yield cdi
         for source in self._sources:
             yield from source.families()

@@ -38,8 +38,11 @@ from ate_devplugd.commands.findings import Finding, Level, fail, ok, warn
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.cri import ask as runtime_ask
+from ate_devplugd.cri import conflicts as cdi_conflicts
 from ate_devplugd.cri import facts as runtime_facts
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
+from ate_devplugd.cri.rules import SpecProblem
+from ate_devplugd.cri.usable import decide
 from ate_devplugd.kubelet.watch import KUBELET_SOCKET
 from ate_devplugd.node import devices
 from ate_devplugd.node.kernel import KernelView
@@ -82,8 +85,10 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
     findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
     endpoint = runtime_ask.discover(cfg.runtime_socket, node.proc_root)
     report = await runtime_ask.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
+    dirs = report.spec_dirs or runtime_facts.CDI_DEFAULT_SPEC_DIRS
+    problems = cdi_conflicts.find(dirs, cfg.cdi_dir, cfg.devices)  # the same as the cdi specs lines
     for dev in cfg.devices:
-        findings += device_findings(cfg, dev, node.kernel, report)
+        findings += device_findings(cfg, dev, node.kernel, report, problems)
     findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
     findings += await kubelet_findings(cfg, node)
     findings += doctor_runtime.findings(cfg, report, endpoint)
@@ -107,7 +112,9 @@ def is_kvm(dev: DeviceConfig) -> bool:
     return dev.probe == "kvm" or posixpath.basename(dev.path) == "kvm"
 
 
-def device_findings(cfg: Config, dev: DeviceConfig, kernel: KernelView, report: RuntimeReport) -> list[Finding]:
+def device_findings(
+    cfg: Config, dev: DeviceConfig, kernel: KernelView, report: RuntimeReport, problems: Sequence[SpecProblem] = ()
+) -> list[Finding]:
     """Present with the kernel's major:minor; for KVM, a VM can be created; the host's owner and mode."""
     check = f"device {dev.resource}"
     look = devices.presence(dev, cfg.dev_root, kernel)
@@ -123,7 +130,7 @@ def device_findings(cfg: Config, dev: DeviceConfig, kernel: KernelView, report: 
     node = devices.node_path(dev, cfg.dev_root)
     if is_kvm(dev):
         out.append(kvm_finding(dev, node, kernel))
-    out.append(access_finding(cfg, dev, node, report))
+    out.append(access_finding(cfg, dev, node, report, problems))
     return out
 
 
@@ -165,11 +172,13 @@ def _owner(st: os.stat_result) -> str:
 
 
 def access_finding(  # noqa: PLR0911 - one return per verdict
-    cfg: Config, dev: DeviceConfig, node: str, report: RuntimeReport
+    cfg: Config, dev: DeviceConfig, node: str, report: RuntimeReport, problems: Sequence[SpecProblem] = ()
 ) -> Finding:
-    """What a container asking for the resource will get, for the runtime's verdict: the spec's owner and
-    mode (applied), the host's (not applied, or no CDI for it), no container at all (our spec directory
-    not read), or nothing that can be told (unknown)."""
+    """What a container asking for the resource will get, for the runtime's verdict and the spec files
+    (``problems``, those of the ``cdi specs`` lines): the spec's owner and mode (applied, our name
+    resolving to our spec), the host's (not applied, or no CDI for it), no container at all (our spec
+    directory not read, or our name not resolving), or nothing that can be told (unknown); and whether
+    the daemon withholds the device for it (``cri.usable``)."""
     check = f"access {dev.resource}"
     try:
         st = os.stat(node)
@@ -185,27 +194,35 @@ def access_finding(  # noqa: PLR0911 - one return per verdict
             check, f"host {host}: {eacces}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)"
         )
     verdict = report.verdict
+    withheld = decide(dev, cfg.mode, report, problems)
+    held = f"; the daemon withholds it ({withheld.reason.value})" if withheld is not None else ""
+    if verdict is CdiVerdict.APPLIED and withheld is not None:
+        why = f"host {host}; containers asking for it do not get {_spec_access(dev)} through CDI"
+        return fail(check, f"{why}: {withheld.detail}{held}", "fix the cdi specs line below")
     if verdict is CdiVerdict.APPLIED:
         return ok(
             check, f"host {host}; containers get {_spec_access(dev)} through CDI, so a VMM that is not root opens it"
         )
     if verdict is CdiVerdict.DIR_NOT_READ:
         why = f"host {host}; no container that asks for it is created: the runtime does not read {cfg.cdi_dir}"
-        return warn(check, f"{why} (unresolvable CDI devices)", "fix the runtime line below")
+        return warn(check, f"{why} (unresolvable CDI devices){held}", "fix the runtime line below")
     if verdict is CdiVerdict.UNKNOWN:
         why = "runtime not found" if not report.name else "see runtime"
         return warn(check, f"host {host}; cannot tell what containers get ({why})", "see the runtime line below")
     if cfg.mode == "dra":
         return warn(
             check,
-            f"host {host}; containers get no device: DRA hands it over through CDI only",
+            f"host {host}; containers get no device: DRA hands it over through CDI only{held}",
             "fix the runtime line below",
         )
-    if open_to_all:
+    if open_to_all and withheld is None:
         return ok(check, f"host {host}: the runtime ignores the CDI spec, but any user in a container opens it")
+    if open_to_all:  # the table asks for CDI (cdi = "required", or a container owner or mode of its own)
+        why = f"host {host}: the runtime ignores the CDI spec the table asks for (any user opens the host's node)"
+        return warn(check, f"{why}{held}", "fix the runtime line below")
     return warn(
         check,
-        f"host {host}: {eacces}: the runtime does not apply its CDI spec (see runtime)",
+        f"host {host}: {eacces}: the runtime does not apply its CDI spec (see runtime){held}",
         "fix the runtime line below",
     )
 

@@ -1,5 +1,6 @@
 """``ate-devplugd probe`` in device-plugin mode: ask every plugin socket what kubelet would, and print
-what the node offers: units, the DeviceSpecs and the CDI devices a trial Allocate answers with.
+what the node offers: units, the DeviceSpecs and the CDI devices a trial Allocate answers with, or why
+a device of ours is withheld (``cri.usable``).
 (DRA mode's probe is ``commands/probe/dra.py``.)"""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import posixpath
+import re
 import stat
 from dataclasses import dataclass
 
@@ -82,9 +84,38 @@ async def probe_socket(plugin_dir: str, name: str, resource: str | None, timeout
     return row
 
 
-async def probe_all(plugin_dir: str, ours: dict[str, str], timeout: float = 5.0) -> list[Row]:
+async def probe_all(plugin_dir: str, ours: dict[str, str], timeout: float = 5.0, metrics_file: str = "") -> list[Row]:
+    """Every socket probed; where one of ours offers no healthy unit, why the daemon withholds it (its
+    metrics file's ``ate_devplugd_device_withheld``: ListAndWatch carries no reason)."""
     names = plugin_sockets(plugin_dir)
-    return list(await asyncio.gather(*(probe_socket(plugin_dir, n, ours.get(n), timeout) for n in names)))
+    rows = list(await asyncio.gather(*(probe_socket(plugin_dir, n, ours.get(n), timeout) for n in names)))
+    text = _read(metrics_file)
+    for row in rows:
+        reason = withheld_reason(text, row.resource) if row.total and not row.healthy else None
+        if reason is not None and not row.error:
+            row.grants = f"(withheld: {reason}; no unit offered)"
+    return rows
+
+
+def withheld_reason(metrics: str, resource: str) -> str | None:
+    """The reason the daemon's metrics file gives for withholding ``resource``, or None."""
+    for m in _WITHHELD.finditer(metrics):
+        labels: dict[str, str] = dict(_LABEL.findall(m[1]))
+        if labels.get("resource") == resource and "reason" in labels:
+            return labels["reason"]
+    return None
+
+
+_WITHHELD = re.compile(r"^ate_devplugd_device_withheld\{([^}]*)\} 1(?:\.0)?$", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def render(rows: list[Row]) -> str:
