@@ -76,6 +76,7 @@ class _Resource:
     registrations: int = 0
     register_failures: int = 0
     reregistrations: int = 0
+    cdi_spec_rewrites: int = 0
     allocations: int = 0
     allocate_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALLOCATE_ERROR_CODES, 0))
     health_transitions: int = 0
@@ -97,6 +98,11 @@ _COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
         "reregistrations",
         "Registrations made again because kubelet, still running, had dropped the resource (its stream ended).",
         lambda r: r.reregistrations,
+    ),
+    (
+        "cdi_spec_rewrites",
+        "Times the resource's CDI spec was written back after it was removed, changed or made invalid on disk.",
+        lambda r: r.cdi_spec_rewrites,
     ),
     ("allocations", "Allocate calls answered with a device.", lambda r: r.allocations),
     ("health_transitions", "Changes of the device between Healthy and Unhealthy.", lambda r: r.health_transitions),
@@ -180,6 +186,9 @@ class Metrics:
 
     def reregistration(self, resource: str) -> None:
         self._count(resource, "reregistrations")
+
+    def cdi_spec_rewrite(self, resource: str) -> None:
+        self._count(resource, "cdi_spec_rewrites")
 
     def allocation(self, resource: str) -> None:
         self._count(resource, "allocations")
