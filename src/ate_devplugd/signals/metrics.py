@@ -88,7 +88,12 @@ _GAUGES: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
     ("device_healthy", "1 if the device is present and passes its probe (its units are Healthy).", lambda r: r.healthy),
     ("advertised_units", "Units offered to kubelet (0 before the device was present).", lambda r: r.advertised_units),
     ("healthy_units", "Advertised units that are Healthy.", lambda r: r.advertised_units if r.healthy else 0),
-    ("registered", "1 while kubelet holds a registration of the resource's current server.", lambda r: r.registered),
+    (
+        "registered",
+        "1 while kubelet holds a registration of the resource's current server and watches it (a ListAndWatch "
+        "stream open; DRA mode: the driver registered and the resource published): 0 while kubelet offers none.",
+        lambda r: r.registered,
+    ),
     ("listandwatch_streams", "ListAndWatch streams kubelet holds open (1 while it watches).", lambda r: r.streams),
 )  # fmt: skip
 _COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
