@@ -14,7 +14,8 @@ from ate_devplugd.commands.doctor import Node, examine
 from ate_devplugd.commands.findings import Level
 from ate_devplugd.config import Config, render
 from ate_devplugd.config.device import DeviceConfig
-from ate_devplugd.cri.conflicts import EVENT_CONFLICT, EVENT_INVALID, find, scan
+from ate_devplugd.cri.check import EVENT_ENDPOINT
+from ate_devplugd.cri.conflicts import EVENT_CONFLICT, EVENT_INVALID, dirs_to_read, find, scan
 from ate_devplugd.cri.rules import Trouble
 from ate_devplugd.node.cdi import EVENT_RESTORED
 from tests.fakes.cri import FakeRuntime, containerd_info
@@ -160,6 +161,22 @@ class TestDaemon:
             await runtime.stop()
             await notify.close()
 
+    async def test_no_runtime_answering_cdi_dir_is_read(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """No runtime answering: the spec check reads our (non-default) cdi_dir, and a conflicting spec there
+        is warned of; the daemon says which runtime socket it asks and why."""
+        config = config_for(tmp_path, plugin_dir, fake_root)  # runtime.sock: nothing listens there
+        cdi = Path(config.cdi_dir)
+        async with daemon_in_process(config, kernel) as running:
+            asking = await running.events.wait_for(EVENT_ENDPOINT)
+            assert asking.getMessage() == f"cdi: asking {tmp_path}/runtime.sock (runtime_socket in our config)"
+            await running.events.wait_for("cdi-runtime")  # the verdict: unknown
+            (cdi / "other.json").write_text(other_spec())
+            event = await running.events.wait_for(EVENT_CONFLICT)
+            assert f"{cdi}/other.json also defines ate.dev/kvm=kvm" in event.getMessage()
+            assert len(running.events.named(EVENT_ENDPOINT)) == 1
+
     async def test_our_spec_refused_is_written_back(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
@@ -207,3 +224,12 @@ class TestDoctor:
         assert found.level is Level.FAIL
         assert found.message.startswith(f"{ours.parent / 'other.json'} also defines {KVM}")
         assert found.remedy.startswith(f"remove {ours.parent / 'other.json'}, or rename it")
+
+
+def test_the_directories_read() -> None:
+    """The runtime's directories where it said them (cdi_dir first where none of them is it); cdi_dir alone
+    where it did not say."""
+    assert dirs_to_read(None, "/srv/cdi") == ("/srv/cdi",)
+    assert dirs_to_read(("/etc/cdi", "/var/run/cdi"), "/var/run/cdi") == ("/etc/cdi", "/var/run/cdi")
+    assert dirs_to_read(("/etc/cdi", "/var/run/cdi"), "/run/cdi") == ("/etc/cdi", "/var/run/cdi")  # a symlink
+    assert dirs_to_read(("/etc/cdi",), "/srv/cdi") == ("/srv/cdi", "/etc/cdi")

@@ -142,7 +142,7 @@ TYPICAL = [
         'set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] of /etc/containerd/config.toml, restart '
         "containerd, then kubelet",
     ),
-    ("cdi specs", "OK", "no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm", ""),
+    ("cdi specs", "OK", "no other spec in {tmp}/cdi defines ate.dev/kvm=kvm", ""),
 ]
 TYPICAL_TEXT = """\
 OK    config                  {tmp}/config.toml: 1 device(s), device-plugin mode
@@ -160,7 +160,7 @@ OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock (runtime_s
 FAIL  runtime cdi             containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node \
 (owner and mode), so a non-root VMM gets EACCES -- set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] \
 of /etc/containerd/config.toml, restart containerd, then kubelet
-OK    cdi specs               no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm"""
+OK    cdi specs               no other spec in {tmp}/cdi defines ate.dev/kvm=kvm"""
 
 
 class TestTypicalRun:
