@@ -14,8 +14,10 @@ from ate_devplugd.commands.doctor import Node, examine
 from ate_devplugd.commands.findings import Level
 from ate_devplugd.config import Config, render
 from ate_devplugd.config.device import DeviceConfig
-from ate_devplugd.cri.conflicts import EVENT_CONFLICT, EVENT_INVALID, find, scan
+from ate_devplugd.cri.check import EVENT_ENDPOINT
+from ate_devplugd.cri.conflicts import EVENT_CONFLICT, EVENT_INVALID, dirs_to_read, find, scan
 from ate_devplugd.cri.rules import Trouble
+from ate_devplugd.node.cdi import EVENT_RESTORED
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.support import FakeKernel, NotifyReceiver, daemon_in_process, kvm_config
 
@@ -159,10 +161,27 @@ class TestDaemon:
             await runtime.stop()
             await notify.close()
 
-    async def test_our_spec_refused(
+    async def test_no_runtime_answering_cdi_dir_is_read(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
-        """Our spec changed by hand into one the library refuses: one cdi-invalid warning naming it."""
+        """No runtime answering: the spec check reads our (non-default) cdi_dir, and a conflicting spec there
+        is warned of; the daemon says which runtime socket it asks and why."""
+        config = config_for(tmp_path, plugin_dir, fake_root)  # runtime.sock: nothing listens there
+        cdi = Path(config.cdi_dir)
+        async with daemon_in_process(config, kernel) as running:
+            asking = await running.events.wait_for(EVENT_ENDPOINT)
+            assert asking.getMessage() == f"cdi: asking {tmp_path}/runtime.sock (runtime_socket in our config)"
+            await running.events.wait_for("cdi-runtime")  # the verdict: unknown
+            (cdi / "other.json").write_text(other_spec())
+            event = await running.events.wait_for(EVENT_CONFLICT)
+            assert f"{cdi}/other.json also defines ate.dev/kvm=kvm" in event.getMessage()
+            assert len(running.events.named(EVENT_ENDPOINT)) == 1
+
+    async def test_our_spec_refused_is_written_back(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Our spec changed by hand into one the library refuses: written back at once (one
+        cdi-spec-restored warning), and STATUS ends with no spec problem."""
         config = config_for(tmp_path, plugin_dir, fake_root)
         runtime = await runtime_reading(tmp_path, Path(config.cdi_dir))
         notify = NotifyReceiver(tmp_path / "notify")
@@ -170,11 +189,17 @@ class TestDaemon:
         try:
             async with daemon_in_process(config, kernel, notify=notify.path) as running:
                 await notify.wait_for(lambda f: "applies CDI" in f.get("STATUS", ""))
-                ours.write_text(ours.read_text().replace('"0.3.0"', '"0.2.0"'))
-                event = await running.events.wait_for(EVENT_INVALID)
-                assert f"{ours}: the CDI library refuses it (cdiVersion '0.2.0'" in event.getMessage()
-                await notify.wait_for(lambda f: f.get("STATUS", "").endswith(f"| cdi spec refused: {ours}"))
+                written = ours.read_text()
+                ours.write_text(written.replace('"0.3.0"', '"0.2.0"'))
+                event = await running.events.wait_for(EVENT_RESTORED)
+                assert f"{ours} of ate.dev/kvm was changed" in event.getMessage()
+                assert ours.read_text() == written
+                status = running.daemon.status_line()  # the spec check may have seen the broken one
+                while "cdi spec refused" in status:
+                    status = (await notify.wait_for(lambda f: "STATUS" in f))["STATUS"]
+                assert "applies CDI" in status and "cdi spec" not in status, status
                 assert not running.events.named(EVENT_CONFLICT)
+                assert len(running.events.named(EVENT_RESTORED)) == 1
         finally:
             await runtime.stop()
             await notify.close()
@@ -199,3 +224,12 @@ class TestDoctor:
         assert found.level is Level.FAIL
         assert found.message.startswith(f"{ours.parent / 'other.json'} also defines {KVM}")
         assert found.remedy.startswith(f"remove {ours.parent / 'other.json'}, or rename it")
+
+
+def test_the_directories_read() -> None:
+    """The runtime's directories where it said them (cdi_dir first where none of them is it); cdi_dir alone
+    where it did not say."""
+    assert dirs_to_read(None, "/srv/cdi") == ("/srv/cdi",)
+    assert dirs_to_read(("/etc/cdi", "/var/run/cdi"), "/var/run/cdi") == ("/etc/cdi", "/var/run/cdi")
+    assert dirs_to_read(("/etc/cdi", "/var/run/cdi"), "/run/cdi") == ("/etc/cdi", "/var/run/cdi")  # a symlink
+    assert dirs_to_read(("/etc/cdi",), "/srv/cdi") == ("/srv/cdi", "/etc/cdi")

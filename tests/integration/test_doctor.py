@@ -24,7 +24,7 @@ from ate_devplugd.config import Config, render
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.config.dra import DraConfig, Layout
 from ate_devplugd.config.pools import DraResource, build_pools, slice_spec
-from ate_devplugd.deviceplugin import session
+from ate_devplugd.deviceplugin import drops
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.integration.dra_rig import NODE, TOKEN, write_kubeconfig
@@ -142,7 +142,7 @@ TYPICAL = [
         'set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] of /etc/containerd/config.toml, restart '
         "containerd, then kubelet",
     ),
-    ("cdi specs", "OK", "no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm", ""),
+    ("cdi specs", "OK", "no other spec in {tmp}/cdi defines ate.dev/kvm=kvm", ""),
 ]
 TYPICAL_TEXT = """\
 OK    config                  {tmp}/config.toml: 1 device(s), device-plugin mode
@@ -160,7 +160,7 @@ OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock (runtime_s
 FAIL  runtime cdi             containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node \
 (owner and mode), so a non-root VMM gets EACCES -- set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] \
 of /etc/containerd/config.toml, restart containerd, then kubelet
-OK    cdi specs               no other spec in /etc/cdi, /var/run/cdi defines ate.dev/kvm=kvm"""
+OK    cdi specs               no other spec in {tmp}/cdi defines ate.dev/kvm=kvm"""
 
 
 class TestTypicalRun:
@@ -225,7 +225,7 @@ class TestRegistration:
     ) -> None:
         """kubelet disconnected the resource (its connection to the plugin broke): FAIL with kubelet's own
         count, whatever the daemon's metrics file still says (the daemon's re-registration held off)."""
-        monkeypatch.setattr(session, "STREAM_GRACE", 600.0)
+        monkeypatch.setattr(drops, "STREAM_GRACE", 600.0)
         config, path = node_config(tmp_path, plugin_dir, fake_root)
         host_node(fake_root)
         kubelet = await started_kubelet(plugin_dir)

@@ -35,6 +35,7 @@ from ate_devplugd.cri.check import EVENT_NOT_APPLIED, EVENT_RUNTIME
 from ate_devplugd.cri.conflicts import EVENT_CONFLICT
 from ate_devplugd.cri.facts import CdiVerdict
 from ate_devplugd.cri.usable import HOLD
+from ate_devplugd.node.cdi import EVENT_RESTORED
 from ate_devplugd.node.kernel import UdevKernelView
 from tests.fakes.kubelet import FakeKubelet
 from tests.podman import NodeStat
@@ -355,3 +356,39 @@ class TestFollowsRestarts:
         """containerd 1.6 restarted: unknown while it is down, its verdict again once it is back."""
         verdict = "ignores CDI (no CDI before containerd 1.7)"
         await follow_restarts(containerd_16, tmp_path, [(None, verdict)] * 3)
+
+
+class TestOurSpecRemoved:
+    @pytest.mark.parametrize("series", ["1.7", "2.1"])
+    async def test_written_back_and_a_pod_still_gets_the_device(
+        self, series: str, cri_images: Images, tmp_path: Path, closed_kvm: NodeStat
+    ) -> None:
+        """Our spec removed while containerd applies CDI: written back at once (one cdi-spec-restored
+        warning, counted); kubelet's allocatable never drops; a pod then run with the daemon's Allocate
+        answer gets a working /dev/kvm as uid 1000 (a guest boots), not "unresolvable CDI devices"."""
+        build = require(series)
+        cdi = tmp_path / "cdi"
+        cdi.mkdir()
+        run_with = {"images": [cri_images.pause, cri_images.checker], "enable_cdi": True, "cdi_spec_dirs": [cdi]}
+        async with running(build, tmp_path / "containerd", **run_with) as rt:
+            config, _ = daemon_config(tmp_path, rt.socket)
+            kubelet: FakeKubelet = await started_kubelet(Path(config.plugin_dir))
+            try:
+                async with daemon_in_process(config, UdevKernelView()) as running_daemon:
+                    await kubelet.next_event("list")
+                    spec = cdi / "ate.dev-kvm.json"
+                    written = spec.read_bytes()
+                    spec.unlink()
+                    record = await running_daemon.events.wait_for(EVENT_RESTORED, timeout=10)
+                    assert "was removed" in record.getMessage() and spec.read_bytes() == written
+                    prom = Path(config.metrics_file)
+                    await wait_for_content(prom, f'ate_devplugd_cdi_spec_rewrites_total{{resource="{RESOURCE}"}} 1')
+                    (response,) = (await kubelet.allocate(RESOURCE, ["kvm-0"])).container_responses
+                    run = await run_allocated(rt, KvmAllocation(response, Path(config.cdi_dir)))
+                    print(run.summary())
+                    assert PROMISES[CdiVerdict.APPLIED](run), run.summary()
+                    seen = kubelet.drain()
+                    assert all(ev.healthy == 4096 for ev in seen if ev.kind == "list"), seen
+                    assert kubelet.allocatable(RESOURCE) == 4096
+            finally:
+                await kubelet.stop()

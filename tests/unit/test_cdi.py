@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ate_devplugd.config import device as device_config
 from ate_devplugd.config.device import DeviceConfig
@@ -117,7 +120,7 @@ class TestCdiSpecs:
         assert (tmp_path / "ate.dev-kvm.json").stat().st_ino == inode
         assert resource.cdi_device == "ate.dev/kvm=kvm"
 
-    def test_unwritable_directory_falls_back_once(self, tmp_path: Path) -> None:
+    async def test_unwritable_directory_falls_back_once(self, tmp_path: Path) -> None:
         """A directory that cannot be made: one warning, no CDI name (plain DeviceSpec), until a reload."""
         blocker = tmp_path / "file"
         blocker.write_text("")
@@ -133,7 +136,7 @@ class TestCdiSpecs:
         specs.sync(resource)
         assert resource.cdi_device == "ate.dev/kvm=kvm" and (tmp_path / "cdi" / "ate.dev-kvm.json").exists()
 
-    def test_removed_when_the_resource_leaves_or_stops_using_cdi(self, tmp_path: Path) -> None:
+    async def test_removed_when_the_resource_leaves_or_stops_using_cdi(self, tmp_path: Path) -> None:
         """A reload that drops the resource, or turns its CDI off, removes its spec; others stay."""
         tun = DeviceConfig("ate.dev/tun", "/dev/net/tun", cdi=True)
         specs = cdi.CdiSpecs(str(tmp_path))
@@ -147,3 +150,84 @@ class TestCdiSpecs:
         kvm_resource.replace_config(plain)
         specs.sync(kvm_resource)
         assert list(tmp_path.iterdir()) == [] and kvm_resource.cdi_device is None
+
+
+class TestSelfHealing:
+    """A spec of ours removed, changed or broken on disk is written back at once (inotify on cdi_dir, a
+    burst coalesced), said once per heal and counted; a look (every reload) does the same."""
+
+    @staticmethod
+    async def healed(specs: cdi.CdiSpecs, events: Any, counted: list[str], harm: Callable[[], None]) -> str:
+        before = len(counted)
+        harm()
+        record = await events.wait_for(cdi.EVENT_RESTORED, timeout=5)
+        assert record.levelno == logging.WARNING
+        assert len(counted) == before + 1 and counted[-1] == "ate.dev/kvm"
+        assert specs.state("ate.dev/kvm") is cdi.SpecState.OURS
+        return str(record.getMessage())
+
+    async def test_removed_changed_invalid_each_written_back(self, tmp_path: Path) -> None:
+        directory = tmp_path / "cdi"
+        path = directory / "ate.dev-kvm.json"
+        counted: list[str] = []
+        specs = cdi.CdiSpecs(str(directory), counted.append)
+        specs.apply(str(directory), (KVM,))
+        resource = present(KVM)
+        try:
+            with recording_events() as events:
+                specs.sync(resource)
+                written = path.read_bytes()
+                assert specs.state("ate.dev/kvm") is cdi.SpecState.OURS
+                msg = await self.healed(specs, events, counted, path.unlink)
+                assert "was removed" in msg and path.read_bytes() == written
+                other = json.dumps({**cdi.spec(KVM, 10, 232), "kind": "ate.dev/other"})
+                msg = await self.healed(specs, events, counted, lambda: path.write_text(other))
+                assert "was changed" in msg and path.read_bytes() == written
+                msg = await self.healed(specs, events, counted, lambda: path.write_text("{not json"))
+                assert "made invalid" in msg and path.read_bytes() == written
+
+                def burst() -> None:  # one tool's burst: one heal
+                    path.unlink()
+                    path.write_text("x")
+                    path.unlink()
+
+                await self.healed(specs, events, counted, burst)
+                assert len(events.named(cdi.EVENT_RESTORED)) == 4 and len(counted) == 4
+                msg = await self.healed(specs, events, counted, lambda: shutil.rmtree(directory))
+                assert "made again" in msg and path.read_bytes() == written
+                assert resource.cdi_device == "ate.dev/kvm=kvm"
+                assert not events.named("cdi-spec-removed") and not events.named("cdi-failed")
+        finally:
+            specs.close()
+
+    async def test_a_look_writes_it_back_without_a_watch(self, tmp_path: Path) -> None:
+        """Every look (every reload looks) puts the spec back, even with no config change; it is counted."""
+        counted: list[str] = []
+        specs = cdi.CdiSpecs(str(tmp_path), counted.append)  # never applied: no watch
+        resource = present(KVM)
+        specs.sync(resource)
+        (tmp_path / "ate.dev-kvm.json").unlink()
+        assert specs.state("ate.dev/kvm") is cdi.SpecState.REMOVED
+        with recording_events() as events:
+            specs.sync(resource)
+        assert specs.state("ate.dev/kvm") is cdi.SpecState.OURS and counted == ["ate.dev/kvm"]
+        assert [r.getMessage() for r in events.named(cdi.EVENT_RESTORED)] == [
+            f"the CDI spec {tmp_path}/ate.dev-kvm.json of ate.dev/kvm was removed; wrote it back"
+        ]
+        assert specs.state("ate.dev/tun") is cdi.SpecState.NOT_WRITTEN
+
+    async def test_other_files_and_our_own_write_do_not_heal(self, tmp_path: Path) -> None:
+        counted: list[str] = []
+        specs = cdi.CdiSpecs(str(tmp_path), counted.append)
+        specs.apply(str(tmp_path), (KVM,))
+        resource = present(KVM)
+        try:
+            with recording_events() as events:
+                specs.sync(resource)
+                (tmp_path / "other.json").write_text("{}")
+                (tmp_path / "ate.dev-kvm.json").unlink()
+                await events.wait_for(cdi.EVENT_RESTORED, timeout=5)
+                specs.sync(resource)  # a look at a current spec: nothing
+                assert counted == ["ate.dev/kvm"] and len(events.named(cdi.EVENT_RESTORED)) == 1
+        finally:
+            specs.close()

@@ -109,6 +109,7 @@ class TestMetrics:
                     "registrations_total",
                     "register_failures_total",
                     "reregistrations_total",
+                    "cdi_spec_rewrites_total",
                     "allocations_total",
                     "health_transitions_total",
                 )
@@ -129,7 +130,7 @@ class TestMetrics:
         types = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE")}
         assert all(kind == "counter" for name, kind in types.items() if name.endswith("_total"))
         assert all(kind == "gauge" for name, kind in types.items() if not name.endswith("_total"))
-        assert sum(kind == "counter" for kind in types.values()) == 9
+        assert sum(kind == "counter" for kind in types.values()) == 10
         helps = [line for line in text.splitlines() if line.startswith("# HELP")]
         assert len(helps) == len(types) and all(len(h.split(" ", 3)[3]) > 10 for h in helps)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ate_devplugd.cri.ask import read_commands
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
 from ate_devplugd.cri.remedies import (
     CONTAINERD_V1_TABLE,
@@ -18,6 +19,7 @@ from ate_devplugd.cri.remedies import (
     Remedy,
     cdi_remedy,
     config_version,
+    containerd_config,
     read_config_file,
 )
 
@@ -98,6 +100,40 @@ def test_before_1_7_2_an_upgrade() -> None:
     for version in ("1.6.20~ds1", "1.7.1"):
         remedy = cdi_remedy(report("containerd", version, OFF), CDI_DIR)
         assert remedy == Remedy("upgrade containerd to 1.7.2 or later (with enable_cdi = true) or 2.x")
+        # a cdi_dir the new version does not read by default: the upgrade alone would not do
+        assert cdi_remedy(report("containerd", version, OFF), "/srv/cdi").text == (
+            "upgrade containerd to 1.7.2 or later (with enable_cdi = true) or 2.x, and add /srv/cdi to its "
+            "cdi_spec_dirs (by default it reads only /etc/cdi and /var/run/cdi)"
+        )
+
+
+def test_the_config_file_the_running_containerd_was_given(tmp_path: Path) -> None:
+    """k3s and RKE2 start containerd with -c/--config: the remedy names that file, read from /proc (the
+    one serving the asked socket first; a relative path from its working directory); none: the default."""
+    proc = tmp_path / "proc"
+    k3s = "/run/k3s/containerd/containerd.sock"
+    for pid, argv, cwd in (
+        (40, ["containerd"], "/"),
+        (41, ["containerd", "-c", "etc/containerd/config.toml", "-a", k3s], "/var/lib/rancher/k3s/agent"),
+        (42, ["dockerd"], "/"),
+    ):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "comm").write_text(argv[0] + "\n")
+        (proc / str(pid) / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in argv))
+        (proc / str(pid) / "cwd").symlink_to(cwd)
+    commands = read_commands("containerd", str(proc))
+    assert [argv[0] for argv, _ in commands] == ["containerd", "containerd"]
+    assert containerd_config(commands, k3s) == "/var/lib/rancher/k3s/agent/etc/containerd/config.toml"
+    assert containerd_config(commands, "/run/containerd/containerd.sock") == "/etc/containerd/config.toml"
+    rke2 = (("containerd", "--config=/etc/rke2.toml", "--address=/run/k3s/containerd/containerd.sock"), "/")
+    assert containerd_config([rke2], k3s) == "/etc/rke2.toml"
+    assert containerd_config([rke2], "/srv/other.sock") == "/etc/containerd/config.toml"  # another one's
+    assert containerd_config([], k3s) == "/etc/containerd/config.toml"
+    config = tmp_path / "k3s.toml"
+    config.write_text("version = 3\n")
+    given = read_config_file(containerd_config([(("containerd", "--config", str(config), "-a", k3s), "/")], k3s))
+    remedy = cdi_remedy(report("containerd", "2.1.9", OFF), CDI_DIR, given)
+    assert f"of {config}, restart containerd" in remedy.text and remedy.file == str(config)
 
 
 def test_crio_as_before() -> None:

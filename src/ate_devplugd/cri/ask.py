@@ -53,6 +53,32 @@ def read_kubelet(proc_root: str = "/proc") -> Kubelet | None:
     return None
 
 
+def read_commands(comm: str, proc_root: str = "/proc") -> list[tuple[tuple[str, ...], str]]:
+    """The command lines of the processes named ``comm``, each with its working directory (``cwd``
+    resolved; "/" where it cannot be read), in pid order."""
+    try:
+        pids = sorted(int(name) for name in os.listdir(proc_root) if name.isdigit())
+    except OSError:
+        return []
+    out = []
+    for pid in pids:
+        base = posixpath.join(proc_root, str(pid))
+        try:
+            with open(posixpath.join(base, "comm"), encoding="utf-8", errors="replace") as f:
+                if f.read().strip() != comm:
+                    continue
+            with open(posixpath.join(base, "cmdline"), "rb") as f:
+                argv = tuple(os.fsdecode(arg) for arg in f.read().split(b"\0")[:-1])
+        except OSError:
+            continue
+        try:
+            cwd = os.readlink(posixpath.join(base, "cwd"))
+        except OSError:
+            cwd = "/"
+        out.append((argv, cwd))
+    return out
+
+
 def discover(configured: str, proc_root: str = "/proc") -> Endpoint:
     """The socket to ask and why (``cri.endpoint`` holds the order)."""
     return choose(configured, None if configured else read_kubelet(proc_root))

@@ -2,9 +2,10 @@
 
 ``RuntimeCheck`` asks the runtime (``cri.ask.ask``) at start, on reload, when kubelet starts and
 whenever the runtime's socket is created again; the socket is the one ``cri.ask.discover`` finds
-(ours, else kubelet's, else the usual ones: ``cri.endpoint``), found again at each start. Each answer
-also points the spec check (``cri.conflicts.SpecCheck``) at the spec directories the runtime reads (the
-CDI library's defaults where it does not say).
+(ours, else kubelet's, else the usual ones: ``cri.endpoint``), found again at each start. The socket asked
+and why are said when they change (``runtime-endpoint``). Each answer also points the spec check
+(``cri.conflicts.SpecCheck``) at ``cdi_dir`` and the spec directories the runtime reads (``cdi_dir``
+alone where it does not say).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ate_devplugd.cri import conflicts as cdi_conflicts
 from ate_devplugd.cri.ask import absent_report, ask, discover
 from ate_devplugd.cri.conflicts import SpecCheck
 from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS, Endpoint
-from ate_devplugd.cri.facts import CDI_DEFAULT_SPEC_DIRS, CdiVerdict, RuntimeReport, consequence
+from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport, consequence
 from ate_devplugd.cri.rules import SpecProblem
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,9 @@ class RuntimeCheck:
             self._logged = None
             self._set(None)
             return
-        endpoint = self._endpoint = discover(socket, self._proc_root)
+        endpoint = discover(socket, self._proc_root)
+        self._say_endpoint(endpoint)
+        self._endpoint = endpoint
         self._mode, self._socket, self._cdi_dir, self._devices = mode, endpoint.socket, cdi_dir, devices
         self._watch((endpoint.socket,) if endpoint.named else DEFAULT_RUNTIME_SOCKETS)
         self._task = asyncio.get_running_loop().create_task(
@@ -209,7 +212,7 @@ class RuntimeCheck:
         report: RuntimeReport = await self._ask(socket, cdi_dir)
         self._log(report)
         self._set(report)
-        self._specs.start(report.spec_dirs or CDI_DEFAULT_SPEC_DIRS, cdi_dir, self._devices)
+        self._specs.start(cdi_conflicts.dirs_to_read(report.spec_dirs, cdi_dir), cdi_dir, self._devices)
         self._retry_if_unanswered(report)
 
     def _retry_if_unanswered(self, report: RuntimeReport) -> None:
@@ -229,6 +232,14 @@ class RuntimeCheck:
         self._task = asyncio.get_running_loop().create_task(
             self._run(self._socket, self._cdi_dir), name="runtime CDI check"
         )
+
+    def _say_endpoint(self, endpoint: Endpoint) -> None:
+        """Which runtime socket is asked, and why: said when it changes (not for each kubelet pid)."""
+        before = self._endpoint
+        if before is not None and (before.socket, before.source) == (endpoint.socket, endpoint.source):
+            return
+        where = endpoint.socket or "the usual sockets " + ", ".join(DEFAULT_RUNTIME_SOCKETS)
+        EventLog(log).info(EVENT_ENDPOINT, "cdi: asking %s (%s)", where, endpoint.why)
 
     def _specs_changed(self) -> None:
         """The spec check found problems, or they are gone: the owner shows them (STATUS)."""
@@ -252,6 +263,8 @@ class RuntimeCheck:
             events.info(EVENT_RUNTIME, "cdi: %s", report.describe())
 
 
+#: Journal event: the runtime socket asked, and why (when it changes).
+EVENT_ENDPOINT = "runtime-endpoint"
 #: Journal events: a verdict under which our CDI names will not work, and any other verdict.
 EVENT_NOT_APPLIED = "cdi-not-applied"
 EVENT_RUNTIME = "cdi-runtime"

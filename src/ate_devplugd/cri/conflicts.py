@@ -37,6 +37,17 @@ EVENT_UNWATCHED = "cdi-unwatched"
 SETTLE_DELAY = 0.05
 
 
+def dirs_to_read(runtime_dirs: Sequence[str] | None, cdi_dir: str) -> tuple[str, ...]:
+    """The directories the spec check reads: the runtime's (where it said them), with ``cdi_dir`` first
+    where none of them is it (so our own spec there is still read); ``cdi_dir`` alone where the runtime
+    did not say (no runtime answering, or one that does not report them)."""
+    if runtime_dirs is None:
+        return (cdi_dir,)
+    if any(reads_dir(d, cdi_dir) for d in runtime_dirs):
+        return tuple(runtime_dirs)
+    return (cdi_dir, *runtime_dirs)
+
+
 def scan(dirs: Sequence[str]) -> list[LoadedSpec]:
     """The spec files of ``dirs`` in the order the library reads them, each loaded: a directory's files
     by name, ``*.json`` and ``*.yaml`` only, no subdirectory, and no directory that is itself a symlink

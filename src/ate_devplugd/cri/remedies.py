@@ -12,20 +12,26 @@ The keys are the same everywhere (``enable_cdi``, ``cdi_spec_dirs``); the table 
 
 containerd's CRI Status does not tell the layouts apart (its ``info["config"]`` is the same JSON for a
 version 2 and a version 3 file), so the version is read from the file itself: the top-level
-``version = N`` of ``/etc/containerd/config.toml`` (:func:`read_config_file`, the one read here). Where
+``version = N`` of the file the running containerd was given (``--config``/``-c`` on its command line, as
+k3s and RKE2 pass it; ``/etc/containerd/config.toml`` without one: :func:`containerd_config`, from the
+command line ``cri.ask.read_commands`` reads; :func:`read_config_file`, the one file read here). Where
 the file cannot be read, the remedy for 2.x names the tables of both versions, for 1.x the version 2
 one. Everything else here is pure.
 """
 
 from __future__ import annotations
 
+import posixpath
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport, parse_version
+from ate_devplugd.cri.facts import CDI_DEFAULT_SPEC_DIRS, CdiVerdict, RuntimeReport, parse_version, reads_dir
 
 #: containerd's config file when it is started without ``--config``.
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
+#: containerd's socket when it is started without ``--address``.
+CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
 #: The CRI table of containerd 1.x in a file without ``version`` (version 1).
 CONTAINERD_V1_TABLE = "[plugins.cri]"
 #: The CRI table of containerd 1.x's layout (version 2), which 2.x migrates from.
@@ -57,6 +63,33 @@ class Remedy:
     file: str = ""
     #: The ``version`` the file must declare before ``settings`` take (None: the one it has).
     version: int | None = None
+
+
+def _option(argv: Sequence[str], long: str, short: str) -> str | None:
+    """The last value of ``--long``/``-short`` in ``argv`` (``--long=v``, ``--long v``, ``-short v``,
+    ``-short=v``: urfave/cli's forms), None without one."""
+    value = None
+    args = list(argv[1:])
+    for i, arg in enumerate(args):
+        for name in (long, short):
+            if arg.startswith(name + "="):
+                value = arg[len(name) + 1 :]
+            elif arg == name and i + 1 < len(args):
+                value = args[i + 1]
+    return value
+
+
+def containerd_config(commands: Sequence[tuple[tuple[str, ...], str]], socket: str) -> str:
+    """The config file of the containerd serving ``socket``: ``commands`` are the running containerd
+    processes (argv, working directory); the one whose ``--address``/``-a`` (its default without one) is
+    ``socket`` gives its ``--config``/``-c`` (relative to its working directory); else the default file.
+    (A ``grpc.address`` set in the file itself is not followed: such a containerd is not recognised.)"""
+    for argv, cwd in commands:
+        if posixpath.normpath(_option(argv, "--address", "-a") or CONTAINERD_SOCKET) != posixpath.normpath(socket):
+            continue
+        path = _option(argv, "--config", "-c")
+        return posixpath.normpath(posixpath.join(cwd, path)) if path else CONTAINERD_CONFIG
+    return CONTAINERD_CONFIG
 
 
 def config_version(text: str) -> int | None:
@@ -124,7 +157,11 @@ def _containerd(
         text = f"{first}add {cdi_dir} to {named} cdi_spec_dirs of {file} and restart the runtime, {_OR_CDI_DIR}"
         return Remedy(text, table, (("cdi_spec_dirs", dirs),), file, file_version)
     if version < (1, 7, 2):
-        return Remedy("upgrade containerd to 1.7.2 or later (with enable_cdi = true) or 2.x")
+        text = "upgrade containerd to 1.7.2 or later (with enable_cdi = true) or 2.x"
+        if not any(reads_dir(d, cdi_dir) for d in CDI_DEFAULT_SPEC_DIRS):
+            dirs = " and ".join(CDI_DEFAULT_SPEC_DIRS)
+            text += f", and add {cdi_dir} to its cdi_spec_dirs (by default it reads only {dirs})"
+        return Remedy(text)
     text = f"{first}set enable_cdi = true in {named} of {file}, restart containerd, then kubelet"
     return Remedy(text, table, (("enable_cdi", "true"),), file, file_version)
 

@@ -215,7 +215,10 @@ class SpecProblem:
 
     def remedy(self) -> str:
         if self.trouble is Trouble.REFUSED:
-            return f"remove {self.path} (ate-devplugd writes it again on reload) and report the error"
+            return (
+                f"report the error: {self.path} is ate-devplugd's own spec (a copy changed or broken by anyone "
+                "else is written back at once, and on every reload; removing it only brings it back)"
+            )
         return f"remove {self.path}, or rename it to end in neither .json nor .yaml, or give its kind another name"
 
 

@@ -5,12 +5,11 @@ over the running one. Both are one method, ``Daemon._apply``, whose docstring gi
 steps (watch, then read the state, then serve: each socket proves it answers before it registers).
 READY=1 goes out once every present device has been served, whether or not kubelet is there; the
 metrics file follows from then on, and so does the question to the container runtime whether it applies
-our CDI names (``cri.check.RuntimeCheck``: asked again on reload, when kubelet starts and when the
-runtime's socket is created again; "unknown" as soon as it goes; on a timer only while a runtime that is
-there does not answer yet). The main loop sleeps until a signal's flag is set; the only timers are the
-watchdog ping, back-offs and coalescing delays (the metrics file, the runtime socket's events, a device
-withheld or offered: ``cri.usable``). A reload is applied whole or not at all (``reload.decision``);
-``reload.report`` says how each went (STATUS, journal, counters, the record ``ate-devplugd reload`` reads).
+our CDI names (``cri.check.RuntimeCheck`` says when it asks again). The main loop sleeps until a
+signal's flag is set; the only timers are the watchdog ping, back-offs and coalescing delays (the metrics
+file, the events of the runtime socket's directory and of CDI's, a device withheld or offered:
+``cri.usable``). A reload is applied whole or not at all (``reload.decision``); ``reload.report`` says how
+each went (STATUS, journal, counters, the record ``ate-devplugd reload`` reads).
 """
 
 from __future__ import annotations
@@ -148,7 +147,9 @@ class Daemon:
             self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
         if busy:
             return False
-        self._devices = DeviceWatch(self.config, self._looked, self._kernel, self._monitor_factory)
+        self._devices = DeviceWatch(
+            self.config, self._looked, self._kernel, self._monitor_factory, self._metrics.cdi_spec_rewrite
+        )
         registry = self._devices.registry
         # The mode before the first look: it reports what each look means to kubelet (its gauges).
         self._mode = Modes(self.config, registry, self._watch, self._metrics, self._update_status)
@@ -172,7 +173,7 @@ class Daemon:
         2. watch: the plugin directory (made at start) and udev for the devices' subsystems, before any
            look, so that no change after a look goes unseen;
         3. the removed resources stop being served, and the metrics hold the new set of resources;
-        4. read the state: CDI's directory, then a look at each device (which writes its CDI spec);
+        4. read the state: CDI's directory (followed), then a look at each device (which writes its CDI spec);
         5. serve the added resources: each serves its socket, checks it answers, then registers (the mode);
         6. the new config is the running one (``_running``): READY=1 at start, then the metrics file, the
            container runtime asked again, the copy for ``probe`` and the outcome for ``reload``.

@@ -9,9 +9,11 @@ which kubelet.sock is there?), so lost or reordered events cannot leave a wrong 
 One Register per kubelet: kubelet answers a second one by disconnecting the newer client as soon as the
 older stream ends (its ``runClient``), so a round registers again only with a kubelet.sock other than the
 one its Register reached (see ``kubelet.watch``). The one exception heals that very harm: when kubelet,
-still running, has ended our last ListAndWatch stream and opened none for ``STREAM_GRACE``, it no longer
+still running, has ended our last ListAndWatch stream and opened none for a grace (a second), it no longer
 holds the resource (every unit unhealthy, allocatable 0, no further call to us), and one more Register on
-the same server gives it back.
+the same server gives it back: every such drop, however many come in one kubelet life, each warned of
+(``reregister``, with its number) and counted, the wait before each doubling while they keep coming
+(``drops.Drops`` holds the timing). A Register kubelet follows with no stream counts as a drop too.
 """
 
 from __future__ import annotations
@@ -29,15 +31,11 @@ from ate_devplugd.base.backoff import Backoff
 from ate_devplugd.base.unixserver import SocketGoneError, SocketInUseError
 from ate_devplugd.base.unixsock import FileIdentity
 from ate_devplugd.deviceplugin import endpoint
+from ate_devplugd.deviceplugin.drops import Drops
 from ate_devplugd.deviceplugin.servicer import WITHHELD
 from ate_devplugd.kubelet.watch import KubeletWatch, SocketLoss
 from ate_devplugd.node.devices import Resource
 from ate_devplugd.signals.metrics import Metrics
-
-#: How long kubelet may go without a ListAndWatch stream on a registered resource, while it still runs,
-#: before the session takes the resource for dropped and registers once more. A kubelet that stops or
-#: restarts stops answering at once, and one that registered us anew opens its stream within milliseconds.
-STREAM_GRACE = 1.0
 
 
 class SessionState(enum.Enum):
@@ -90,11 +88,8 @@ class Session:
         #: warning that a kubelet refusing for seconds deserves.
         self._failures = 0
         self._failures_kubelet: FileIdentity | None = None
-        #: When kubelet's last ListAndWatch stream ended (loop time) while registered; None once that
-        #: has been looked at after the grace, or while kubelet watches.
-        self._stream_lost_at: float | None = None
-        #: The kubelet registered with once more after it dropped the resource: at most once per kubelet.
-        self._reregistered_with: FileIdentity | None = None
+        #: Whether kubelet watches this round's registration, and when not watching is a drop to heal.
+        self._drops = Drops()
 
     @property
     def name(self) -> str:
@@ -114,9 +109,10 @@ class Session:
         return f"{WITHHELD}, {state}" if self.withheld else f"{text}, {state}"
 
     def _set_state(self, state: SessionState, detail: str = "") -> None:
+        # registered: kubelet holds the registration AND watches it (what it offers comes from the stream)
+        self._metrics.set_registered(self.name, state is SessionState.REGISTERED and self._drops.streams > 0)
         if (state, detail) != (self.state, self.detail):
             self.state, self.detail = state, detail
-            self._metrics.set_registered(self.name, state in (SessionState.REGISTERED, SessionState.STREAM_CLOSED))
             self._on_state()
 
     def _wake(self) -> None:
@@ -154,12 +150,14 @@ class Session:
     async def _round(self, backoff: Backoff) -> float:
         """Serve, register and hold once; the delay before the next round (0 for at once)."""
         self._kubelet = self._watch.kubelet()
+        self._drops = Drops()
         try:
             await self._serve()
             await self._register()
             backoff.reset()
             while await self._hold():
                 await self._register()
+                self._drops.expect(asyncio.get_running_loop().time())  # a stream must follow
         except SocketGoneError:
             self._log_socket_loss()
         except SocketInUseError as exc:
@@ -192,6 +190,7 @@ class Session:
         if server is not None:
             await server.stop()
             self._metrics.set_streams(self.name, 0)
+        self._drops.stopped()
 
     async def _register(self) -> None:
         assert self._server is not None
@@ -286,29 +285,28 @@ class Session:
                 return True
 
     def _grace_left(self) -> float | None:
-        """How long until a lost stream counts as the resource dropped (None: no lost stream to time)."""
-        lost = self._stream_lost_at
-        if lost is None or self.state is not SessionState.STREAM_CLOSED or self._reregistered_with == self._kubelet:
-            return None
-        return max(0.0, lost + STREAM_GRACE - asyncio.get_running_loop().time())
+        """How long until kubelet not watching counts as the resource dropped (None: nothing to time)."""
+        return self._drops.left(asyncio.get_running_loop().time())
 
     def _dropped(self, kubelet: FileIdentity | None) -> bool:
-        """Whether the kubelet registered with, still running, has let the resource go (its stream ended
-        a grace ago, none came since); if so, it is said once and counted."""
-        lost = self._stream_lost_at
-        if lost is None or self._grace_left() != 0.0:
+        """Whether the kubelet registered with, still running, has let the resource go (no stream for the
+        wait since it stopped watching); if so, it is said and counted."""
+        now = asyncio.get_running_loop().time()
+        if not self._drops.due(now) or kubelet is None:
+            return False  # kubelet.sock gone: a kubelet stopping; the next one's socket wakes the session
+        if not self._watch.answers():
+            self._drops.later(now)  # stopped, its socket left behind: the next kubelet's wipe replaces it
             return False
-        self._stream_lost_at = None  # looked at once: a kubelet that stopped is left to its restart
-        if kubelet is None or not self._watch.answers():
-            return False
-        self._reregistered_with = kubelet
+        self._drops.healed()
         self._metrics.reregistration(self.name)
         self.resource.events.warning(
             "reregister",
-            "kubelet ended ListAndWatch for %s %.1f s ago and opened none, while it still runs: it no longer "
-            "holds the resource; registering once more",
+            "kubelet has not watched %s for %.1f s while it still runs: it no longer holds the resource; "
+            "registering once more (drop %d with this kubelet; should it drop it again, the next in %.0f s)",
             self.name,
-            asyncio.get_running_loop().time() - lost,
+            now - self._drops.lost_at,
+            self._drops.heals,
+            self._drops.delay,
         )
         return True
 
@@ -324,17 +322,16 @@ class Session:
             )
 
     def _streams_changed(self, streams: int) -> None:
-        """Keep STATUS true: a registration kubelet no longer watches is not working."""
+        """Keep STATUS and ``registered`` true: a registration kubelet no longer watches is not working."""
+        self._drops.streams_changed(streams, asyncio.get_running_loop().time())
         self._metrics.set_streams(self.name, streams)
         if self.state not in (SessionState.REGISTERED, SessionState.STREAM_CLOSED):
             return
         if streams:
-            self._stream_lost_at = None
             self._set_state(SessionState.REGISTERED)
-        else:
-            # kubelet ends the stream when it stops; it never reopens it by itself, so until it
-            # restarts (or, still running, is registered with once more) it sees every unit as unhealthy.
-            self.resource.events.info("stream-ended", "kubelet closed ListAndWatch for %s", self.name)
-            self._stream_lost_at = asyncio.get_running_loop().time()
-            self._set_state(SessionState.STREAM_CLOSED)
-            self._wake()
+            return
+        # kubelet ends the stream when it stops; it never reopens it by itself, so until it restarts
+        # (or, still running, is registered with once more) it sees every unit as unhealthy.
+        self.resource.events.info("stream-ended", "kubelet closed ListAndWatch for %s", self.name)
+        self._set_state(SessionState.STREAM_CLOSED)
+        self._wake()

@@ -10,8 +10,13 @@ DeviceSpec grants the node with the host's owner and mode, as without CDI.
 
 The spec is written before the resource is first served (the registry looks at the device, then this
 writer runs, all before the session can register), atomically (a hidden temp file renamed into
-place), and again when the node's major:minor or the table changes. It stays while the daemon is
-stopped or restarting: kubelet replays the checkpointed CDI names when a container restarts, and a
+place), and again when the node's major:minor or the table changes. It heals itself: ``cdi_dir`` is
+followed with inotify (on the loop, ``DirWatcher``), and a spec of ours removed, changed or made invalid
+on disk (or its whole directory removed) is written back ``SETTLE_DELAY`` after the first event of a
+burst, as is one found so at any look (every reload looks); each such rewrite is one warning
+(``cdi-spec-restored``, saying what had happened to it) and one count (``on_restored``). ``state`` says
+cheaply whether a resource's spec is on disk and ours. It stays while the daemon is stopped or
+restarting: kubelet replays the checkpointed CDI names when a container restarts, and a
 runtime refuses a name whose spec is missing ("unresolvable CDI devices"). It is removed only when
 its resource leaves the config or stops using CDI.
 
@@ -21,13 +26,17 @@ the resource is then granted without CDI until a reload, never failing registrat
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import json
 import logging
 import os
 import posixpath
+from collections.abc import Callable
 from typing import Any
 
 from ate_devplugd.base import atomicfile
+from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config.device import DeviceConfig, qualified_name
 from ate_devplugd.node.devices import Resource
@@ -39,6 +48,31 @@ log = logging.getLogger(__name__)
 #: and libraries from v0.5.4 on refuse anything below 0.3.0.
 CDI_VERSION = "0.3.0"
 SPEC_MODE = 0o644
+#: How long after the first event in ``cdi_dir`` our specs are looked at again (a tool removing or
+#: writing several files is one look).
+SETTLE_DELAY = 0.05
+#: Journal event: a spec of ours found removed, changed or invalid on disk, and written back.
+EVENT_RESTORED = "cdi-spec-restored"
+
+
+class SpecState(enum.Enum):
+    """What is on disk at a resource's spec path, against what the daemon wrote there."""
+
+    OURS = "ours"
+    REMOVED = "removed"
+    CHANGED = "changed"
+    INVALID = "invalid"
+    #: No spec is kept for the resource: it does not use CDI, its device was never seen, or the spec
+    #: could not be written (it is then granted without CDI until a reload).
+    NOT_WRITTEN = "not written"
+
+
+#: What a rewrite says had happened to the spec.
+_HAPPENED = {
+    SpecState.REMOVED: "was removed",
+    SpecState.CHANGED: "was changed (not what the daemon wrote)",
+    SpecState.INVALID: "was made invalid (not a CDI spec a runtime can load)",
+}
 
 
 def spec_path(cdi_dir: str, dev: DeviceConfig) -> str:
@@ -74,17 +108,27 @@ def spec(dev: DeviceConfig, major: int, minor: int) -> dict[str, Any]:
 
 
 class CdiSpecs:
-    """Keeps each CDI-enabled resource's spec true to its node and its table, and Allocate's name with it."""
+    """Keeps each CDI-enabled resource's spec true to its node and its table, and Allocate's name with it;
+    puts a spec back that someone else removed, changed or broke (see the module's docstring)."""
 
-    def __init__(self, cdi_dir: str) -> None:
+    def __init__(self, cdi_dir: str, on_restored: Callable[[str], None] | None = None) -> None:
         self.cdi_dir = cdi_dir
-        #: The files written, by resource name: the path and its content.
+        self._on_restored = on_restored
+        #: The files written, by resource name: the path and its content; and the resources themselves.
         self._written: dict[str, tuple[str, bytes]] = {}
+        self._resources: dict[str, Resource] = {}
         #: Resources whose spec could not be written: granted without CDI until a reload.
         self._failed: set[str] = set()
+        self._watcher: DirWatcher | None = None
+        self._settle: asyncio.TimerHandle | None = None
+
+    def state(self, name: str) -> SpecState:
+        """Whether resource ``name``'s spec is on disk and ours now (one read of a small file)."""
+        written = self._written.get(name)
+        return SpecState.NOT_WRITTEN if written is None else on_disk(*written)
 
     def sync(self, resource: Resource) -> None:
-        """After each look at a device: write its spec if it needs CDI and the spec is not current."""
+        """After each look at a device: write its spec if it needs CDI and the spec on disk is not current."""
         dev = resource.config
         devnum = resource.presence.devnum
         if not dev.cdi or resource.name in self._failed:
@@ -95,15 +139,55 @@ class CdiSpecs:
             return
         path = spec_path(self.cdi_dir, dev)
         data = (json.dumps(spec(dev, *devnum), indent=2) + "\n").encode()
-        if self._written.get(resource.name) == (path, data) or _holds(path, data):
-            self._written[resource.name] = (path, data)
-            resource.cdi_device = qualified_name(dev)
+        found = on_disk(path, data)
+        if found is SpecState.OURS:
+            self._keep(resource, path, data)
             return
+        healed = found if self._written.get(resource.name) == (path, data) else None
+        if self._write(resource, path, data, healed) and healed is None:
+            resource.events.info(
+                "cdi-spec",
+                "wrote the CDI spec %s: %s is %s %d:%d, mode %04o in the container",
+                path,
+                qualified_name(dev),
+                dev.path,
+                *devnum,
+                dev.node_mode,
+            )
+
+    def apply(self, cdi_dir: str, devices: tuple[DeviceConfig, ...]) -> None:
+        """A reload: remove the specs of resources gone or no longer using CDI; retry the failed ones;
+        follow ``cdi_dir`` while a resource uses CDI (before any look writes a spec)."""
+        keep = {dev.resource for dev in devices if dev.cdi and cdi_dir == self.cdi_dir}
+        for name, (path, _) in list(self._written.items()):
+            if name not in keep:
+                self._remove(path)
+                del self._written[name]
+                self._resources.pop(name, None)
+        self.cdi_dir = cdi_dir
+        self._failed.clear()
+        self._follow(any(dev.cdi for dev in devices))
+
+    def close(self) -> None:
+        self._follow(False)
+
+    # -- writing -----------------------------------------------------------------------------------
+    def _keep(self, resource: Resource, path: str, data: bytes) -> None:
+        self._written[resource.name] = (path, data)
+        self._resources[resource.name] = resource
+        resource.cdi_device = qualified_name(resource.config)
+
+    def _write(self, resource: Resource, path: str, data: bytes, healed: SpecState | None) -> bool:
+        """Write the spec (its directory made again where it is gone); ``healed``: what had happened to
+        the one written before, said and counted. False when it cannot be written."""
+        directory_gone = not os.path.isdir(self.cdi_dir)
         try:
             os.makedirs(self.cdi_dir, mode=0o755, exist_ok=True)
             atomicfile.replace_file(path, data, SPEC_MODE)
         except OSError as exc:
             self._failed.add(resource.name)
+            self._written.pop(resource.name, None)
+            self._resources.pop(resource.name, None)
             resource.cdi_device = None
             resource.events.warning(
                 "cdi-failed",
@@ -113,28 +197,20 @@ class CdiSpecs:
                 exc.strerror or exc,
                 resource.name,
             )
-            return
-        self._written[resource.name] = (path, data)
-        resource.cdi_device = qualified_name(dev)
-        resource.events.info(
-            "cdi-spec",
-            "wrote the CDI spec %s: %s is %s %d:%d, mode %04o in the container",
-            path,
-            qualified_name(dev),
-            dev.path,
-            *devnum,
-            dev.node_mode,
-        )
-
-    def apply(self, cdi_dir: str, devices: tuple[DeviceConfig, ...]) -> None:
-        """A reload: remove the specs of resources gone or no longer using CDI; retry the failed ones."""
-        keep = {dev.resource for dev in devices if dev.cdi and cdi_dir == self.cdi_dir}
-        for name, (path, _) in list(self._written.items()):
-            if name not in keep:
-                self._remove(path)
-                del self._written[name]
-        self.cdi_dir = cdi_dir
-        self._failed.clear()
+            return False
+        self._keep(resource, path, data)
+        if healed is not None:
+            if self._on_restored is not None:
+                self._on_restored(resource.name)
+            resource.events.warning(
+                EVENT_RESTORED,
+                "the CDI spec %s of %s %s%s; wrote it back",
+                path,
+                resource.name,
+                _HAPPENED.get(healed, healed.value),
+                f" with its directory {self.cdi_dir}, made again" if directory_gone else "",
+            )
+        return True
 
     @staticmethod
     def _remove(path: str) -> None:
@@ -147,11 +223,66 @@ class CdiSpecs:
             return
         EventLog(log).info("cdi-spec-removed", "removed the CDI spec %s", path)
 
+    # -- following cdi_dir -------------------------------------------------------------------------
+    def _follow(self, wanted: bool) -> None:
+        """Watch ``cdi_dir`` (kept when it is the one watched), or stop watching."""
+        watcher = self._watcher
+        if watcher is not None and wanted and watcher.path == posixpath.normpath(self.cdi_dir):
+            return
+        if self._settle is not None:
+            self._settle.cancel()
+            self._settle = None
+        if watcher is not None:
+            watcher.close()
+            self._watcher = None
+        if not wanted:
+            return
+        watcher = DirWatcher(self.cdi_dir, self._on_events, contents=True)
+        try:
+            watcher.start()
+        except OSError as exc:
+            watcher.close()
+            EventLog(log).warning(
+                "cdi-unwatched",
+                "cdi: cannot watch %s for our specs (%s); a spec of ours removed or changed there is written "
+                "back only at the next look (udev event or reload)",
+                self.cdi_dir,
+                exc.strerror or exc,
+            )
+            return
+        self._watcher = watcher
 
-def _holds(path: str, data: bytes) -> bool:
-    """Whether ``path`` already holds exactly ``data`` (a restarted daemon leaves a current spec alone)."""
+    def _on_events(self, events: list[DirEvent]) -> None:
+        names = {posixpath.basename(path) for path, _ in self._written.values()}
+        if not any(ev.name in names or not ev.name for ev in events):
+            return
+        if self._settle is None:
+            self._settle = asyncio.get_running_loop().call_later(SETTLE_DELAY, self._heal)
+
+    def _heal(self) -> None:
+        """Every spec of ours not on disk as written: written back."""
+        self._settle = None
+        for name, (path, data) in list(self._written.items()):
+            found = on_disk(path, data)
+            resource = self._resources.get(name)
+            if found is not SpecState.OURS and resource is not None:
+                self._write(resource, path, data, found)
+
+
+def on_disk(path: str, data: bytes) -> SpecState:
+    """What ``path`` holds against ``data`` (what was written there): ours, removed, changed or invalid."""
     try:
         with open(path, "rb") as fh:
-            return fh.read(len(data) + 1) == data
+            found = fh.read(max(len(data) + 1, 1 << 20))
+    except (FileNotFoundError, NotADirectoryError):
+        return SpecState.REMOVED
     except OSError:
-        return False
+        return SpecState.INVALID
+    if found == data:
+        return SpecState.OURS
+    try:
+        loaded = json.loads(found)
+    except (ValueError, UnicodeDecodeError):
+        return SpecState.INVALID
+    ok = isinstance(loaded, dict) and isinstance(loaded.get("kind"), str) and isinstance(loaded.get("devices"), list)
+    return SpecState.CHANGED if ok else SpecState.INVALID

@@ -3,7 +3,8 @@
 A udev event (netlink, on the loop) is only a hint: the registry looks at every device again
 (``DeviceRegistry.reconcile``). After each look the device's CDI spec is brought up to date first
 (``CdiSpecs.sync``), then the owner hears of it. ``watch`` comes before ``read``, at start and on
-reload, so that no change after a look goes unseen.
+reload, so that no change after a look goes unseen; ``read`` follows ``cdi_dir`` (inotify) before its
+looks write any spec, and a spec of ours removed, changed or made invalid there is written back.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
-from ate_devplugd.node.cdi import CdiSpecs
+from ate_devplugd.node.cdi import CdiSpecs, SpecState
 from ate_devplugd.node.devices import DeviceRegistry, LookHook, Resource
 from ate_devplugd.node.kernel import KernelView, UdevKernelView
 from ate_devplugd.node.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
@@ -28,11 +29,17 @@ class DeviceWatch:
     """The registry of the configured devices, their CDI specs and the udev monitor that wakes them.
 
     ``kernel`` None: the real kernel through udev, with its monitor (``monitor_factory`` or the default
-    one); given (a test's), udev is watched only through ``monitor_factory``, if any.
+    one); given (a test's), udev is watched only through ``monitor_factory``, if any. ``on_spec_restored``
+    hears the resource each time its CDI spec is written back (the count in the metrics).
     """
 
     def __init__(
-        self, config: Config, on_look: LookHook, kernel: KernelView | None, monitor_factory: MonitorFactory | None
+        self,
+        config: Config,
+        on_look: LookHook,
+        kernel: KernelView | None,
+        monitor_factory: MonitorFactory | None,
+        on_spec_restored: Callable[[str], None] | None = None,
     ) -> None:
         if kernel is None:
             real = UdevKernelView()
@@ -40,7 +47,7 @@ class DeviceWatch:
         self._factory = monitor_factory
         self._on_look = on_look
         self._udev: UdevWatcher | None = None
-        self._cdi = CdiSpecs(config.cdi_dir)
+        self._cdi = CdiSpecs(config.cdi_dir, on_spec_restored)
         self.registry = DeviceRegistry(config.dev_root, kernel, self._looked)
 
     def watch(self, devices: tuple[DeviceConfig, ...]) -> None:
@@ -56,7 +63,12 @@ class DeviceWatch:
         self._cdi.apply(config.cdi_dir, config.devices)
         self.registry.apply(config.devices, config.dev_root)
 
+    def spec_state(self, name: str) -> SpecState:
+        """Whether resource ``name``'s CDI spec is on disk and ours now (``SpecState.OURS``), cheaply."""
+        return self._cdi.state(name)
+
     def close(self) -> None:
+        self._cdi.close()
         if self._udev is not None:
             self._udev.close()
 

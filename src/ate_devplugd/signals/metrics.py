@@ -78,6 +78,7 @@ class _Resource:
     registrations: int = 0
     register_failures: int = 0
     reregistrations: int = 0
+    cdi_spec_rewrites: int = 0
     allocations: int = 0
     allocate_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALLOCATE_ERROR_CODES, 0))
     health_transitions: int = 0
@@ -96,7 +97,12 @@ _GAUGES: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
     ("advertised_units", "Units offered to kubelet (0 before the device was present).", lambda r: r.advertised_units),
     ("healthy_units", "Advertised units that are Healthy (usable).", lambda r: r.advertised_units * _usable(r)),
     ("device_usable", "1 if the device is healthy and not withheld: a pod granted it gets a working device.", _usable),
-    ("registered", "1 while kubelet holds a registration of the resource's current server.", lambda r: r.registered),
+    (
+        "registered",
+        "1 while kubelet holds a registration of the resource's current server and watches it (a ListAndWatch "
+        "stream open; DRA mode: the driver registered and the resource published): 0 while kubelet offers none.",
+        lambda r: r.registered,
+    ),
     ("listandwatch_streams", "ListAndWatch streams kubelet holds open (1 while it watches).", lambda r: r.streams),
 )  # fmt: skip
 _COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
@@ -106,6 +112,11 @@ _COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
         "reregistrations",
         "Registrations made again because kubelet, still running, had dropped the resource (its stream ended).",
         lambda r: r.reregistrations,
+    ),
+    (
+        "cdi_spec_rewrites",
+        "Times the resource's CDI spec was written back after it was removed, changed or made invalid on disk.",
+        lambda r: r.cdi_spec_rewrites,
     ),
     ("allocations", "Allocate calls answered with a device.", lambda r: r.allocations),
     ("health_transitions", "Changes of the device between Healthy and Unhealthy.", lambda r: r.health_transitions),
@@ -193,6 +204,9 @@ class Metrics:
 
     def reregistration(self, resource: str) -> None:
         self._count(resource, "reregistrations")
+
+    def cdi_spec_rewrite(self, resource: str) -> None:
+        self._count(resource, "cdi_spec_rewrites")
 
     def allocation(self, resource: str) -> None:
         self._count(resource, "allocations")

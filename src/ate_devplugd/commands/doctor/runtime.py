@@ -15,6 +15,7 @@ from ate_devplugd.config import Config
 from ate_devplugd.cri import conflicts as cdi_conflicts
 from ate_devplugd.cri import facts as runtime_facts
 from ate_devplugd.cri import remedies
+from ate_devplugd.cri.ask import read_commands
 from ate_devplugd.cri.endpoint import Endpoint
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
 
@@ -43,10 +44,10 @@ def verdict_finding(cfg: Config, report: RuntimeReport) -> Finding:
 
 
 def spec_findings(cfg: Config, report: RuntimeReport) -> list[Finding]:
-    """The spec files of the directories the runtime reads (the CDI library's defaults where it does not
-    say): a FAIL per file that makes one of our names fail or resolve to another device, a WARN per file
-    that defines one but loses to ours, else one OK line."""
-    dirs = report.spec_dirs or runtime_facts.CDI_DEFAULT_SPEC_DIRS
+    """The spec files of ``cdi_dir`` and the directories the runtime reads (``cdi_dir`` alone where it
+    does not say: ``cri.conflicts.dirs_to_read``): a FAIL per file that makes one of our names fail or
+    resolve to another device, a WARN per file that defines one but loses to ours, else one OK line."""
+    dirs = cdi_conflicts.dirs_to_read(report.spec_dirs, cfg.cdi_dir)
     found = cdi_conflicts.find(dirs, cfg.cdi_dir, cfg.devices)
     if not found:
         names = ", ".join(cdi_conflicts.ours(dirs, cfg.cdi_dir, cfg.devices))
@@ -55,5 +56,7 @@ def spec_findings(cfg: Config, report: RuntimeReport) -> list[Finding]:
 
 
 def cdi_remedy(cfg: Config, report: RuntimeReport) -> str:
-    config = remedies.read_config_file() if report.name == "containerd" else None
+    config = None
+    if report.name == "containerd":  # the file the running containerd was given (k3s, RKE2: --config)
+        config = remedies.read_config_file(remedies.containerd_config(read_commands("containerd"), report.socket))
     return remedies.cdi_remedy(report, cfg.cdi_dir, config).text
