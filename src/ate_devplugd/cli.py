@@ -40,10 +40,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
 
         return os.EX_OK if reload_request.request(args.config, args.pid, args.timeout) else EX_FAILURE
     try:
-        cfg = configmod.load(args.config)
-        if args.command == "run":
-            cfg = cfg.with_overrides(**_run_overrides(args))
-        elif args.command == "probe" and args.plugin_dir:
+        cfg = configmod.load(args.config, overrides=_run_overrides(args) if args.command == "run" else None)
+        if args.command == "probe" and args.plugin_dir:
             cfg = cfg.with_overrides(plugin_dir=args.plugin_dir)
     except ConfigError as exc:
         running = _running_config(exc, args.config, args.plugin_dir) if args.command == "probe" else None
@@ -69,8 +67,6 @@ def _check_config(cfg: configmod.Config) -> int:
         print(f"ate-devplugd: note: {line}", file=sys.stderr)
     for line in review.warnings:
         print(f"ate-devplugd: config warning: {line}", file=sys.stderr)
-    if review.errors:
-        return _config_error(ConfigError(list(review.errors)))
     sys.stdout.write(configmod.render(cfg))
     return os.EX_OK
 
@@ -191,7 +187,7 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     log = logging.getLogger(__name__)
 
     def reload_config() -> configmod.Config:
-        return configmod.load(args.config).with_overrides(**_run_overrides(args))
+        return configmod.load(args.config, overrides=_run_overrides(args))
 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
     if early.stop:

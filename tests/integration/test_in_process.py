@@ -365,10 +365,12 @@ class TestReload:
         as failed."""
         config = kvm_config(plugin_dir, fake_root, count=8)
         (fake_root / "dev" / "shm").mkdir()
-        moved = dataclasses.replace(config, devices=(dataclasses.replace(config.devices[0], path="/dev/shm"),))
+        path = write_config(
+            tmp_path / "c.toml", plugin_dir, fake_root, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/shm"\n'
+        )
         kubelet = await started_kubelet(plugin_dir)
         try:
-            async with daemon_in_process(config, kernel, reload_config=lambda: moved) as running:
+            async with daemon_in_process(config, kernel, reload_config=lambda: configmod.load(path)) as running:
                 await kubelet.next_event("list")
                 running.daemon.request_reload()
                 record = await running.events.wait_for("reload-failed")
