@@ -123,18 +123,26 @@ class UdevWatcher:
             log.info("no socket filter for KVM's VM announcements (%s): they are left out after they are read", exc)
 
     def set_subsystems(self, subsystems: Iterable[str]) -> None:
-        """Change the in-kernel filter (on reload); libudev's new one gets the VM-announcement filter in front."""
+        """Change the in-kernel filter (on reload); libudev's new one gets the VM-announcement filter in
+        front. A filter the kernel refuses (OSError) leaves the old one in place, and is raised."""
         wanted = frozenset(subsystems)
         if wanted == self._subsystems:
             return
+        try:
+            self._filter(wanted)
+        except OSError:
+            self._filter(self._subsystems)
+            raise
+        self._subsystems = wanted
+
+    def _filter(self, subsystems: frozenset[str]) -> None:
         try:
             self._monitor.remove_filter()
         except OSError as exc:
             # Nothing to detach (no socket filter in place); the match list is cleared anyway.
             log.debug("removing the udev filter: %s", exc)
-        for subsystem in sorted(wanted):
+        for subsystem in sorted(subsystems):
             self._monitor.filter_by(subsystem)
-        self._subsystems = wanted
         self._drop_vm_announcements()
 
     def close(self) -> None:
