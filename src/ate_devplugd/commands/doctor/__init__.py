@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ate_devplugd import config as configmod
 from ate_devplugd.base.unixsock import socket_answers
+from ate_devplugd.commands import running as running_daemon
 from ate_devplugd.commands.doctor import daemon as doctor_daemon
 from ate_devplugd.commands.doctor import runtime as doctor_runtime
 from ate_devplugd.commands.findings import Finding, Level, fail, ok, warn
@@ -68,17 +69,21 @@ class Node:
 
 
 async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> list[Finding]:
-    """Every check, in order; a config that does not load is the only finding that stops the rest."""
-    try:
-        cfg = configmod.load(config_path)
-    except ConfigError as exc:
-        where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
-        return [
-            fail("config", line if where in line else f"{where}: {line}", "fix the file (ate-devplugd check-config)")
-            for line in exc.errors
-        ]
-    source = str(config_path) if config_path else _default_source()
-    findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    """Every check, in order, of the daemon that runs (its config; how the file differs) or, with none
+    running, of the file; a config that does not load is the only finding that stops the rest."""
+    daemon = running_daemon.find(config_path)
+    if daemon is not None:
+        cfg = daemon.config
+        findings = running_findings(daemon)
+    else:
+        try:
+            cfg = configmod.load(config_path)
+        except ConfigError as exc:
+            where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
+            remedy = "fix the file (ate-devplugd check-config)"
+            return [fail("config", line if where in line else f"{where}: {line}", remedy) for line in exc.errors]
+        source = str(config_path) if config_path else _default_source()
+        findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
     endpoint = runtime_ask.discover(cfg.runtime_socket, node.proc_root)
     report = await runtime_ask.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
     for dev in cfg.devices:
@@ -91,6 +96,20 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
 
         findings += await dra_doctor.findings(cfg, cfg.dra, TIMEOUT)
     return findings
+
+
+def running_findings(daemon: running_daemon.RunningDaemon) -> list[Finding]:
+    """The config the daemon runs; WARN when the file on disk differs, and when its last reload was not applied."""
+    cfg = daemon.config
+    out = [ok("config", f"the running daemon's, {daemon.source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    if daemon.file_error:
+        out.append(warn("config file", daemon.file_line(), "fix the file (ate-devplugd check-config)"))
+    elif daemon.differences:
+        remedy = "systemctl restart ate-devplugd" if daemon.restart else "systemctl reload ate-devplugd"
+        out.append(warn("config file", daemon.file_line(), remedy))
+    if daemon.refused:
+        out.append(warn("reload", f"the last reload was not applied: {daemon.refused}", "journalctl -u ate-devplugd"))
+    return out
 
 
 def _default_source() -> str:
