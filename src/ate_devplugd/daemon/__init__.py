@@ -18,7 +18,6 @@ one went (STATUS, journal, counters, and the record ``ate-devplugd reload`` wait
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import signal
@@ -32,8 +31,9 @@ from ate_devplugd.config import Config, ConfigDiff
 from ate_devplugd.cri.check import RuntimeCheck
 from ate_devplugd.cri.facts import RuntimeReport, wanted
 from ate_devplugd.daemon import apply
+from ate_devplugd.daemon.apply import start_failure
 from ate_devplugd.deviceplugin.plugins import DevicePlugins
-from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError, no_permission
+from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.devices import Resource
 from ate_devplugd.node.kernel import KernelView
@@ -120,12 +120,9 @@ class Daemon:
             return os.EX_CANTCREAT
         watchdog: asyncio.Task[None] | None = None
         try:
-            try:
-                if not await self._start():
-                    return os.EX_CANTCREAT
-            except NoPermissionError as exc:
-                self._events.error("no-permission", "%s; not starting", exc)
-                return os.EX_NOPERM
+            status = await self._start()
+            if status != os.EX_OK:
+                return status
             watchdog = self._start_watchdog()
             await self._main_loop()
             self._notifier.stopping()
@@ -145,13 +142,14 @@ class Daemon:
             self._notifier.close()
             self._files.forget()
 
-    async def _start(self) -> bool:
-        """Start: the config applied from nothing (``_apply``); False if another process serves our sockets."""
+    async def _start(self) -> int:
+        """Start: the config applied from nothing (``_apply``); else the exit status by its cause
+        (sysexits): 73 another process serves our sockets, 77 we may not, 71 any other error."""
         busy = sockets_in_use(self.config, self.config.devices)
         for msg in busy:
             self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
         if busy:
-            return False
+            return os.EX_CANTCREAT
         self._devices = DeviceWatch(self.config, self._looked, self._kernel, self._monitor_factory)
         registry = self._devices.registry
         # The mode before the first look: it reports what each look means to kubelet (its gauges).
@@ -163,14 +161,14 @@ class Daemon:
             self._mode = DevicePlugins(registry, self._watch, self._metrics, self._update_status)
         try:
             await self._apply(None, self.config)
-        except PermissionError as exc:  # DRA mode makes its directories in kubelet's, as root only can
-            if exc.errno != errno.EACCES or exc.filename is None:
-                raise
-            raise no_permission("create", str(exc.filename)) from exc
+        except NoPermissionError as exc:
+            self._events.error("no-permission", "%s; not starting", exc)
+            return os.EX_NOPERM
         except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
-            self._events.error("serve-failed", "cannot serve: %s; is another ate-devplugd running? Not starting", exc)
-            return False
-        return True
+            status, event, line = start_failure(exc)
+            self._events.error(event, "%s; not starting", line)
+            return status
+        return os.EX_OK
 
     # -- applying a config: at start and on reload -------------------------------------------------
     async def _apply(self, old: Config | None, new: Config) -> None:

@@ -16,13 +16,16 @@ before it registers). The daemon swaps its config last, together with the copy `
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff, diff
 from ate_devplugd.deviceplugin.plugins import DevicePlugins
-from ate_devplugd.kubelet.lock import make_plugin_dir
+from ate_devplugd.kubelet.lock import make_plugin_dir, no_permission
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.watch import DeviceWatch
 from ate_devplugd.signals.metrics import Metrics
@@ -61,3 +64,23 @@ async def commit(plan: Plan, mode: DevicePlugins | DraMode, devices: DeviceWatch
         metrics.add_resource(name)
     devices.read(plan.new)
     await mode.start(change.added)
+
+
+def start_failure(exc: OSError | SocketInUseError) -> tuple[int, str, str]:
+    """The exit status (sysexits), the event and the line for an error that ends the start, by its cause:
+    another process on our socket (73, EX_CANTCREAT), a permission refused (77, EX_NOPERM, with the path:
+    DRA mode makes its directories in kubelet's, as root only can), any other error of the system (71,
+    EX_OSERR, as it is)."""
+    if isinstance(exc, SocketInUseError) or exc.errno == errno.EADDRINUSE:
+        return os.EX_CANTCREAT, "serve-failed", f"cannot serve: {exc}; is another ate-devplugd running?"
+    if exc.errno == errno.EACCES and exc.filename is not None:
+        return os.EX_NOPERM, "no-permission", str(no_permission("create", str(exc.filename)))
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return (
+            os.EX_NOPERM,
+            "no-permission",
+            f"cannot start: {where}{exc.strerror} (uid {os.geteuid()}); ate-devplugd runs as root",
+        )
+    where = f": {exc.filename}" if exc.filename is not None else ""
+    return os.EX_OSERR, "start-failed", f"cannot start: {exc.strerror or exc}{where}"
