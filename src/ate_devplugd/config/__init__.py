@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.toml_text import toml_str, toml_value
 from ate_devplugd.config import device as device_config
 from ate_devplugd.config import host
@@ -169,7 +170,7 @@ def load(
     """Read and validate the config file (with the command line's ``overrides``), every check in one
     round; ``None`` or a missing default file gives the defaults."""
     if path is None:
-        if not os.path.exists(DEFAULT_CONFIG_PATH):
+        if look(DEFAULT_CONFIG_PATH) is Look.ABSENT:  # one it cannot look at is read, and says why
             return from_mapping({}, gid_of, overrides=overrides)
         path = DEFAULT_CONFIG_PATH
     try:

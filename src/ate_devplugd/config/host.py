@@ -7,9 +7,9 @@ in the same round as the file's own errors, whoever loads the file (start, reloa
 
 from __future__ import annotations
 
-import os
 import posixpath
 
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.toml_text import toml_str, toml_value
 
 
@@ -24,7 +24,7 @@ def path_errors(dev_root: str, tables: object) -> list[str]:
         path = table.get("path")
         if not (isinstance(path, str) and path.startswith("/") and "\0" not in path):
             continue
-        if os.path.isdir(posixpath.join(dev_root, path.lstrip("/"))):
+        if look(posixpath.join(dev_root, path.lstrip("/")), directory=True) is Look.PRESENT:
             errors.append(
                 f"{_where(index, table)}: path: {toml_value(path)} is a directory; "
                 "path names a device node, e.g. '/dev/kvm'"

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.node import kvm_events
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def default_monitor(context: object) -> tuple[MonitorLike, str]:
     """A netlink monitor: udev source when udevd runs (events after its rules ran), else kernel."""
     import pyudev  # noqa: PLC0415 - libudev is loaded only by the daemon
 
-    source = "udev" if os.path.exists(UDEVD_CONTROL) else "kernel"
+    source = "udev" if look(UDEVD_CONTROL) is not Look.ABSENT else "kernel"
     monitor = pyudev.Monitor.from_netlink(context, source=source)
     try:
         monitor.set_receive_buffer_size(RECEIVE_BUFFER)

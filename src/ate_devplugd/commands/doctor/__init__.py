@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ate_devplugd import config as configmod
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import socket_answers
 from ate_devplugd.commands import running as running_daemon
 from ate_devplugd.commands.doctor import daemon as doctor_daemon
@@ -49,6 +50,8 @@ KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet
 #: How long a call to a socket, kubelet or the API server may take.
 TIMEOUT = 5.0
 MOUNTINFO = "/proc/self/mountinfo"
+#: What doctor says of a path it may not look at (it is not root).
+CANNOT_LOOK = "cannot look: permission denied; run as root"
 
 
 @dataclass
@@ -114,7 +117,7 @@ def running_findings(daemon: running_daemon.RunningDaemon) -> list[Finding]:
 
 def _default_source() -> str:
     path = configmod.DEFAULT_CONFIG_PATH
-    return path if os.path.exists(path) else "built-in defaults"
+    return path if look(path) is not Look.ABSENT else "built-in defaults"
 
 
 # -- devices ---------------------------------------------------------------------------------------
@@ -127,16 +130,16 @@ def is_kvm(dev: DeviceConfig) -> bool:
 def device_findings(cfg: Config, dev: DeviceConfig, kernel: KernelView, report: RuntimeReport) -> list[Finding]:
     """Present with the kernel's major:minor; for KVM, a VM can be created; the host's owner and mode."""
     check = f"device {dev.resource}"
-    look = devices.presence(dev, cfg.dev_root, kernel)
-    if not look.present:
-        if os.path.isdir(devices.node_path(dev, cfg.dev_root)):
+    found = devices.presence(dev, cfg.dev_root, kernel)
+    if not found.present:
+        if look(devices.node_path(dev, cfg.dev_root), directory=True) is Look.PRESENT:
             remedy = "set path to the device node: a directory is none (ate-devplugd check-config says so)"
         elif is_kvm(dev):
             remedy = _load_kvm_remedy()
         else:
             remedy = f"load the module that provides {dev.path}"
-        return [fail(check, look.reason, remedy)]
-    out = [ok(check, f"{dev.path}: {look.reason}")]
+        return [fail(check, found.reason, remedy)]
+    out = [ok(check, f"{dev.path}: {found.reason}")]
     node = devices.node_path(dev, cfg.dev_root)
     if is_kvm(dev):
         out.append(kvm_finding(dev, node, kernel))
@@ -308,7 +311,10 @@ def cgroup_version(mountinfo: str) -> str:
 async def kubelet_findings(cfg: Config, node: Node) -> list[Finding]:
     out = []
     sock = posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)
-    if not os.path.exists(sock):
+    seen = look(sock)
+    if seen is Look.CANNOT_LOOK:
+        out.append(warn("kubelet", f"{sock}: {CANNOT_LOOK}", "run doctor as root"))
+    elif seen is Look.ABSENT:
         out.append(fail("kubelet", f"no {sock}: kubelet is not running", "systemctl start kubelet"))
     elif not socket_answers(sock):
         out.append(
