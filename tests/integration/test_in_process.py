@@ -664,6 +664,24 @@ class TestCdi:
 
 
 class TestMetricsFile:
+    async def test_metrics_off_is_said_once_per_cause(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """No textfile directory: "metrics off" once; reloads that meet the same cause do not say it again,
+        one with another path (another cause) does."""
+        config = kvm_config(plugin_dir, fake_root, metrics_file=tmp_path / "none" / "ate-devplugd.prom")
+        current = [config]
+        async with daemon_in_process(config, kernel, reload_config=lambda: current[0]) as running:
+            await running.events.wait_for("metrics-off")
+            for _ in range(3):
+                assert await running.daemon.reload()
+                await running.events.wait_for("metrics-still-off")
+            assert len(running.events.named("metrics-off")) == 1
+            current[0] = dataclasses.replace(config, metrics_file=str(tmp_path / "other" / "ate-devplugd.prom"))
+            assert await running.daemon.reload()
+            record = await running.events.wait_for("metrics-off")
+            assert "other" in record.getMessage()
+
     @pytest.mark.parametrize("fault", ["read-only", "full"])
     async def test_unwritable_metrics_directory(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel, fault: str
