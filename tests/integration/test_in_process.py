@@ -24,6 +24,7 @@ import pytest
 from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.deviceplugin import endpoint, plugins
 from tests.fakes.kubelet import FakeKubelet
 from tests.fault.harness import LOADED_WAIT, full_tmpfs, read_only_bind
 from tests.support import (
@@ -528,6 +529,34 @@ class TestNotify:
             await kubelet.stop()
             await notify.close()
             monitor.close()
+
+    async def test_ready_timeout_is_said(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A first attempt that outlasts the READY timeout (its server slow to start): READY=1 goes out
+        all the same, with an event and a part of STATUS that says so until the attempt ends."""
+        monkeypatch.setattr(plugins, "READY_TIMEOUT", 0.2)
+        release = asyncio.Event()
+        start = endpoint.PluginServer.start
+
+        async def slow_start(server: endpoint.PluginServer) -> None:
+            await release.wait()
+            await start(server)
+
+        monkeypatch.setattr(endpoint.PluginServer, "start", slow_start)
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel, notify=notify.path) as running:
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"].endswith(" | ready after 0.2 s without the first attempt of ate.dev/kvm"), ready
+                (record,) = running.events.named("ready-timeout")
+                assert "ate.dev/kvm" in record.getMessage() and record.levelno == logging.WARNING
+                release.set()
+                await notify.wait_for(lambda f: f.get("STATUS") == "ate.dev/kvm: 4096/4096 healthy, registered")
+        finally:
+            await kubelet.stop()
+            await notify.close()
 
     async def test_ready_then_status_then_stopping(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
