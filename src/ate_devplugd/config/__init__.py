@@ -250,7 +250,8 @@ def from_mapping(
 class Review:
     """What ``check-config`` says of a valid config beyond its errors (``load`` finds them all), one line each."""
 
-    #: Legal but costly settings (``count`` above COSTLY_COUNT): said, exit 0.
+    #: Legal but costly or unused settings (``count`` above COSTLY_COUNT, ``[dra]`` outside DRA mode):
+    #: said, exit 0; the daemon logs each once at start.
     warnings: tuple[str, ...]
     #: What the file leaves to the defaults that a reader may not expect.
     notes: tuple[str, ...]
@@ -265,6 +266,11 @@ def review(config: Config) -> Review:
         where = f"device[{index}] ({dev.resource})"
         if dev.count > device_config.COSTLY_COUNT and config.mode == "device-plugin":  # DRA: dra.devices
             warnings.append(f"{where}: count: {dev.count} {device_config.count_cost(dev.count)}")
+    if config.dra is not None and config.mode != "dra":
+        warnings.append(
+            '[dra]: read only in DRA mode (mode = "dra"); in device-plugin mode it is checked, not used, '
+            "and a reload refuses any change to it (it changes only on restart)"
+        )
     if config.devices_defaulted:
         default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
         notes.append(f"no [[device]] table: serving the default {default}")
