@@ -66,7 +66,9 @@ async def test_after_a_refused_mode_change(
             (row,) = [line for line in out.splitlines() if line.startswith(RESOURCE)]
             assert "8/8" in row.split(), out
             assert "the file on disk differs from what runs: mode = 'dra' (restart to apply); [dra] added" in err
-            assert "its last reload was not applied: reload 1 refused: reload refused: mode = 'dra'" in err, err
+            assert (
+                "its last reload was not applied: reload 1 refused: mode = 'dra' (running: 'device-plugin')" in err
+            ), err
             found = by_check(await examine(path, Node(kernel=kernel, find_kubelet=lambda: None)))
             assert found["config"].level is Level.OK and "device-plugin mode" in found["config"].message
             assert found["config file"].level is Level.WARN

@@ -47,7 +47,8 @@ class RunningDaemon:
         last = self.last
         if last is None or last.outcome not in (Outcome.REFUSED, Outcome.FAILED):
             return ""
-        return f"reload {last.generation} {last.outcome.value}: {last.error}"
+        why = last.error.removeprefix(f"reload {last.outcome.value}: ")  # the reload command's line
+        return f"reload {last.generation} {last.outcome.value}: {why}"
 
     def file_line(self) -> str:
         """How the file on disk differs from what runs ("" when it does not)."""
