@@ -195,8 +195,8 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
         return configmod.load(args.config, overrides=_run_overrides(args))
 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
-    for line in configmod.review(cfg).warnings:  # what check-config warns of, said once
-        log.warning("config warning: %s", line)
+    for line in configmod.review(cfg).warnings:  # what check-config warns of, said once (nothing to act on now)
+        log.info("config warning: %s", line)
     if early.stop:
         return os.EX_OK
     # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`, each reload's outcome for `reload`.

@@ -194,6 +194,6 @@ async def test_a_dra_table_in_device_plugin_mode_is_a_warning(tmp_path: Path) ->
             await notify.wait_for(lambda f: "READY" in f, timeout=30)
             assert await proc.stop() == 0
             warned = [text for text in proc.log().splitlines() if "[dra]: read only in DRA mode" in text]
-            assert len(warned) == 1 and warned[0].startswith("warning: config warning: "), proc.log()
+            assert len(warned) == 1 and warned[0].startswith("info: config warning: "), proc.log()
     finally:
         await notify.close()

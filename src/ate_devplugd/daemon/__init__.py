@@ -165,8 +165,11 @@ class Daemon:
             self._events.error("no-permission", "%s; not starting", exc)
             return os.EX_NOPERM
         except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
-            status, event, line = start_failure(exc)
-            self._events.error(event, "%s; not starting", line)
+            status, line = start_failure(exc)
+            if status == os.EX_NOPERM:
+                self._events.error("no-permission", "%s; not starting", line)
+            else:
+                self._events.error("serve-failed", "%s; not starting", line)
             return status
         return os.EX_OK
 

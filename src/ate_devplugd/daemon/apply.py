@@ -66,21 +66,17 @@ async def commit(plan: Plan, mode: DevicePlugins | DraMode, devices: DeviceWatch
     await mode.start(change.added)
 
 
-def start_failure(exc: OSError | SocketInUseError) -> tuple[int, str, str]:
-    """The exit status (sysexits), the event and the line for an error that ends the start, by its cause:
-    another process on our socket (73, EX_CANTCREAT), a permission refused (77, EX_NOPERM, with the path:
-    DRA mode makes its directories in kubelet's, as root only can), any other error of the system (71,
+def start_failure(exc: OSError | SocketInUseError) -> tuple[int, str]:
+    """The exit status (sysexits) and the line for an error that ends the start, by its cause: another
+    process on our socket (73, EX_CANTCREAT), a permission refused (77, EX_NOPERM, with the path: DRA
+    mode makes its directories in kubelet's, as root only can), any other error of the system (71,
     EX_OSERR, as it is)."""
     if isinstance(exc, SocketInUseError) or exc.errno == errno.EADDRINUSE:
-        return os.EX_CANTCREAT, "serve-failed", f"cannot serve: {exc}; is another ate-devplugd running?"
+        return os.EX_CANTCREAT, f"cannot serve: {exc}; is another ate-devplugd running?"
     if exc.errno == errno.EACCES and exc.filename is not None:
-        return os.EX_NOPERM, "no-permission", str(no_permission("create", str(exc.filename)))
+        return os.EX_NOPERM, str(no_permission("create", str(exc.filename)))
     if exc.errno in (errno.EACCES, errno.EPERM):
         where = f"{exc.filename}: " if exc.filename is not None else ""
-        return (
-            os.EX_NOPERM,
-            "no-permission",
-            f"cannot start: {where}{exc.strerror} (uid {os.geteuid()}); ate-devplugd runs as root",
-        )
+        return os.EX_NOPERM, f"cannot start: {where}{exc.strerror} (uid {os.geteuid()}); ate-devplugd runs as root"
     where = f": {exc.filename}" if exc.filename is not None else ""
-    return os.EX_OSERR, "start-failed", f"cannot start: {exc.strerror or exc}{where}"
+    return os.EX_OSERR, f"cannot start: {exc.strerror or exc}{where}"

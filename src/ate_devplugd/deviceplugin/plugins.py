@@ -4,7 +4,8 @@ The daemon tells the mode which resources to serve (at start, and what a reload 
 the mode starts a session task for each, waits for their first attempts, stops them, and describes
 them for STATUS. Sessions restart themselves (kubelet restarts, lost sockets); a stopped session's
 socket is removed. When a first attempt takes longer than ``READY_TIMEOUT``, start-up (READY=1) and
-a reload go on without it, and say so: an event, and a part of STATUS until that attempt ends.
+a reload go on without it, and say so: the ``ready`` event at warning, and a part of STATUS until that
+attempt ends.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class DevicePlugins:
         late = [name for name in names if not self._sessions[name].first_attempt.is_set()]
         if late:
             self._late.update(late)
-            EventLog(log).warning(
-                "ready-timeout",
-                "going on after %g s without the first attempt of %s (see its state in STATUS)",
+            EventLog(log).warning(  # the event of READY: it goes out now, without these
+                "ready",
+                "ready after %g s without the first attempt of %s (see its state in STATUS)",
                 READY_TIMEOUT,
                 ", ".join(late),
             )

@@ -126,7 +126,7 @@ class TextfileWriter:
         """Off until a reload; said once per cause (a reload that meets the same one says nothing again)."""
         self.enabled = False
         if self._off == (self.path, exc.errno):
-            EventLog(log).debug("metrics-still-off", "metrics still off: %s: %s", self.path, exc.strerror or exc)
+            log.debug("metrics still off: %s: %s", self.path, exc.strerror or exc)
             return
         self._off = (self.path, exc.errno)
         events = EventLog(log)
