@@ -11,11 +11,15 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from ate_devplugd import __version__
 from ate_devplugd import config as configmod
 from ate_devplugd.commands import args as cli_args
 from ate_devplugd.config import DEFAULT_CONFIG_PATH, ConfigError
+
+if TYPE_CHECKING:
+    from ate_devplugd.commands import running
 
 #: `probe` found a socket that does not answer, `doctor` a FAIL, `reload` a refusal (os.EX_* has no name).
 EX_FAILURE = 1
@@ -42,17 +46,18 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         from ate_devplugd.commands import reload as reload_request  # noqa: PLC0415 - inotify only for this command
 
         return os.EX_OK if reload_request.request(args.config, args.pid, args.timeout) else EX_FAILURE
+    if args.command == "probe":
+        from ate_devplugd.commands import running as running_daemon  # noqa: PLC0415 - the lock's socket only here
+
+        daemon = running_daemon.find(args.config)
+        if daemon is not None:  # the daemon that runs, whatever the file says now
+            return _probe(_describe_running(daemon, args.config, args.plugin_dir), args.timeout)
     try:
-        cfg = configmod.load(args.config)
-        if args.command == "run":
-            cfg = cfg.with_overrides(**_run_overrides(args))
-        elif args.command == "probe" and args.plugin_dir:
+        cfg = configmod.load(args.config, overrides=_run_overrides(args) if args.command == "run" else None)
+        if args.command == "probe" and args.plugin_dir:
             cfg = cfg.with_overrides(plugin_dir=args.plugin_dir)
     except ConfigError as exc:
-        running = _running_config(exc, args.config, args.plugin_dir) if args.command == "probe" else None
-        if running is None:
-            return _config_error(exc)
-        cfg = running
+        return _config_error(exc)
 
     if args.command == "check-config":
         return _check_config(cfg)
@@ -74,8 +79,6 @@ def _check_config(cfg: configmod.Config) -> int:
         print(f"ate-devplugd: note: {line}", file=sys.stderr)
     for line in review.warnings:
         print(f"ate-devplugd: config warning: {line}", file=sys.stderr)
-    if review.errors:
-        return _config_error(ConfigError(list(review.errors)))
     sys.stdout.write(configmod.render(cfg))
     return os.EX_OK
 
@@ -85,22 +88,20 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, str | None]:
     return {"plugin_dir": args.plugin_dir, "dev_root": args.dev_root, "log_level": args.log_level}
 
 
-def _running_config(broken: ConfigError, config: str | None, plugin_dir: str | None) -> configmod.Config | None:
-    """For `probe` when the config file does not parse: the config the running daemon wrote, if any,
-    saying so on stderr (None: there is none either)."""
-    path = configmod.running_config_path()
-    try:
-        cfg = configmod.load(path)
-        if plugin_dir:
-            cfg = cfg.with_overrides(plugin_dir=plugin_dir)
-    except ConfigError:
-        return None
-    print(
-        f"ate-devplugd: probing with the running daemon's config from {path}; "
-        f"{config or DEFAULT_CONFIG_PATH} does not parse: {broken.errors[0]}",
-        file=sys.stderr,
-    )
-    return cfg
+def _describe_running(daemon: running.RunningDaemon, config: str | None, plugin_dir: str | None) -> configmod.Config:
+    """For `probe`: the running daemon's config, saying on stderr how the file differs and how its last
+    reload went."""
+    if daemon.file_error:
+        print(
+            f"ate-devplugd: probing with the running daemon's config from {daemon.source}; "
+            f"{config or DEFAULT_CONFIG_PATH} does not parse: {daemon.file_error}",
+            file=sys.stderr,
+        )
+    elif daemon.differences:
+        print(f"ate-devplugd: probing the running daemon (pid {daemon.pid}); {daemon.file_line()}", file=sys.stderr)
+    if daemon.refused:
+        print(f"ate-devplugd: its last reload was not applied: {daemon.refused}", file=sys.stderr)
+    return daemon.config.with_overrides(plugin_dir=plugin_dir) if plugin_dir else daemon.config
 
 
 def _switch_mode(cfg: configmod.Config, args: argparse.Namespace) -> int:
@@ -223,9 +224,11 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     log = logging.getLogger(__name__)
 
     def reload_config() -> configmod.Config:
-        return configmod.load(args.config).with_overrides(**_run_overrides(args))
+        return configmod.load(args.config, overrides=_run_overrides(args))
 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
+    for line in configmod.review(cfg).warnings:  # what check-config warns of, said once (nothing to act on now)
+        log.info("config warning: %s", line)
     if early.stop:
         return os.EX_OK
     # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`, each reload's outcome for `reload`.

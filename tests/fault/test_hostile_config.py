@@ -357,7 +357,6 @@ def _not_the_device(root: Path, kind: str) -> None:
 @pytest.mark.parametrize(
     "kind",
     [
-        "directory",
         "regular-file",
         "symlink-to-file",
         "symlink-loop",
@@ -385,6 +384,20 @@ async def test_path_not_the_device_is_absent(tmp_path: Path, plugin_dir: Path, d
     finally:
         await notify.close()
         await kubelet.stop()
+
+
+def test_a_directory_path_is_refused_at_start(tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+    """A path that is a directory can never be the device: start refuses it as check-config and a reload
+    do (one validation), exit 78 with the line naming it, instead of serving it as an absent device."""
+    _not_the_device(dev_root, "directory")
+    cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
+    done = run_cli("run", cfg)
+    status, out, err = done.returncode, done.stdout, done.stderr
+    assert status == os.EX_CONFIG and out == "", err
+    assert err == (
+        "ate-devplugd: config error: device[0] (ate.dev/kvm): path: '/dev/kvm' is a directory; "
+        "path names a device node, e.g. '/dev/kvm'\n"
+    ), err
 
 
 # -- SIGHUP with a bad file: the old config stays --------------------------------------------------------

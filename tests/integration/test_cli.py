@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support import run_cli
+from tests.support import NotifyReceiver, daemon, run_cli, subprocess_env
 
 COMMANDS = ("run", "check-config", "probe", "doctor", "dra-manifests", "reload", "switch-mode")
 EX_USAGE = 2
@@ -187,3 +187,26 @@ async def test_large_count_warns_of_its_cost_and_still_passes(tmp_path: Path) ->
     assert "3.3 MiB" in line, line  # 214 B a unit
     status, _, err = await run_cli("check-config", "--config", str(config_file(tmp_path, KVM + "count = 16384\n")))
     assert status == 0 and err == "", err
+
+
+DRA_TABLE = '[dra]\nnode_name = "node-1"\n'
+
+
+async def test_a_dra_table_in_device_plugin_mode_is_a_warning(tmp_path: Path) -> None:
+    """A ``[dra]`` table without ``mode = "dra"``: check-config says it is not used (exit 0), as a
+    reload refuses a change to it; the daemon says it once at start."""
+    cfg = config_file(tmp_path, KVM + DRA_TABLE)
+    status, _, err = await run_cli("check-config", "--config", str(cfg))
+    assert status == 0, err
+    (line,) = err.splitlines()
+    assert line.startswith('ate-devplugd: config warning: [dra]: read only in DRA mode (mode = "dra")'), line
+    assert "a reload refuses any change to it" in line
+    notify = NotifyReceiver(tmp_path / "notify")
+    try:
+        async with daemon(cfg, env=subprocess_env(NOTIFY_SOCKET=str(notify.path))) as proc:
+            await notify.wait_for(lambda f: "READY" in f, timeout=30)
+            assert await proc.stop() == 0
+            warned = [text for text in proc.log().splitlines() if "[dra]: read only in DRA mode" in text]
+            assert len(warned) == 1 and warned[0].startswith("info: config warning: "), proc.log()
+    finally:
+        await notify.close()

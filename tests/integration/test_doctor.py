@@ -333,17 +333,17 @@ class TestFailures:
     async def test_a_directory_for_a_device_path(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
-        """A path that is a directory (``/dev/shm``) FAILs with the remedy to fix the path, not to load a
-        module that would provide it."""
+        """A path that is a directory (``/dev/shm``) is a config error, as check-config and a reload say:
+        one FAIL naming the path, with the remedy to fix the file, not to load a module."""
         config = kvm_config(plugin_dir, fake_root)
         config = dataclasses.replace(config, devices=(DeviceConfig("ate.dev/shm", "/dev/shm"),))
         (fake_root / "dev" / "shm").mkdir()
         path = tmp_path / "config.toml"
         path.write_text(render(config))
         findings = await examine(path, Node(kernel=kernel, find_kubelet=lambda: None))
-        device = by_check(findings)["device ate.dev/shm"]
-        assert device.level is Level.FAIL
-        assert "module" not in device.remedy and "directory" in device.remedy, device
+        (found,) = findings
+        assert found.check == "config" and found.level is Level.FAIL
+        assert "'/dev/shm' is a directory" in found.message and "module" not in found.remedy, found
 
     async def test_missing_config_names_the_path_once(self, tmp_path: Path, kernel: FakeKernel) -> None:
         """A --config that does not exist: one FAIL, the path once, the reason in words."""

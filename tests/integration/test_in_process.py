@@ -24,11 +24,13 @@ import pytest
 from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.deviceplugin import endpoint, plugins
 from tests.fakes.kubelet import FakeKubelet
 from tests.fault.harness import LOADED_WAIT, full_tmpfs, read_only_bind
 from tests.support import (
     RESOURCE,
     SOCKET,
+    EventRecorder,
     FakeKernel,
     FakeMonitor,
     NotifyReceiver,
@@ -365,10 +367,12 @@ class TestReload:
         as failed."""
         config = kvm_config(plugin_dir, fake_root, count=8)
         (fake_root / "dev" / "shm").mkdir()
-        moved = dataclasses.replace(config, devices=(dataclasses.replace(config.devices[0], path="/dev/shm"),))
+        path = write_config(
+            tmp_path / "c.toml", plugin_dir, fake_root, '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/shm"\n'
+        )
         kubelet = await started_kubelet(plugin_dir)
         try:
-            async with daemon_in_process(config, kernel, reload_config=lambda: moved) as running:
+            async with daemon_in_process(config, kernel, reload_config=lambda: configmod.load(path)) as running:
                 await kubelet.next_event("list")
                 running.daemon.request_reload()
                 record = await running.events.wait_for("reload-failed")
@@ -527,6 +531,36 @@ class TestNotify:
             await notify.close()
             monitor.close()
 
+    async def test_ready_timeout_is_said(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A first attempt that outlasts the READY timeout (its server slow to start): READY=1 goes out
+        all the same, with an event and a part of STATUS that says so until the attempt ends."""
+        monkeypatch.setattr(plugins, "READY_TIMEOUT", 0.2)
+        release = asyncio.Event()
+        start = endpoint.PluginServer.start
+
+        async def slow_start(server: endpoint.PluginServer) -> None:
+            await release.wait()
+            await start(server)
+
+        monkeypatch.setattr(endpoint.PluginServer, "start", slow_start)
+        notify = NotifyReceiver(tmp_path / "notify")
+        kubelet = await started_kubelet(plugin_dir)
+        try:
+            async with daemon_in_process(kvm_config(plugin_dir, fake_root), kernel, notify=notify.path) as running:
+                ready = await notify.wait_for(lambda f: "READY" in f)
+                assert ready["STATUS"].endswith(" | ready after 0.2 s without the first attempt of ate.dev/kvm"), ready
+                (record,) = [r for r in running.events.named("ready") if r.levelno == logging.WARNING]
+                assert record.getMessage() == (
+                    "ready after 0.2 s without the first attempt of ate.dev/kvm (see its state in STATUS)"
+                )
+                release.set()
+                await notify.wait_for(lambda f: f.get("STATUS") == "ate.dev/kvm: 4096/4096 healthy, registered")
+        finally:
+            await kubelet.stop()
+            await notify.close()
+
     async def test_ready_then_status_then_stopping(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
@@ -661,7 +695,33 @@ class TestCdi:
             await kubelet.stop()
 
 
+async def wait_for_record(events: EventRecorder, start: str, timeout: float = 10.0) -> None:
+    """The next record whose message starts with ``start`` (a line that is no event)."""
+    async with asyncio.timeout(timeout):
+        while not (await events.queue.get()).getMessage().startswith(start):
+            pass
+
+
 class TestMetricsFile:
+    async def test_metrics_off_is_said_once_per_cause(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """No textfile directory: "metrics off" once; reloads that meet the same cause do not say it again,
+        one with another path (another cause) does."""
+        config = kvm_config(plugin_dir, fake_root, metrics_file=tmp_path / "none" / "ate-devplugd.prom")
+        config = dataclasses.replace(config, log_level="debug")  # the line that is not said again is debug
+        current = [config]
+        async with daemon_in_process(config, kernel, reload_config=lambda: current[0]) as running:
+            await running.events.wait_for("metrics-off")
+            for _ in range(3):
+                assert await running.daemon.reload()
+                await wait_for_record(running.events, "metrics still off")
+            assert len(running.events.named("metrics-off")) == 1
+            current[0] = dataclasses.replace(config, metrics_file=str(tmp_path / "other" / "ate-devplugd.prom"))
+            assert await running.daemon.reload()
+            record = await running.events.wait_for("metrics-off")
+            assert "other" in record.getMessage()
+
     @pytest.mark.parametrize("fault", ["read-only", "full"])
     async def test_unwritable_metrics_directory(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel, fault: str

@@ -9,6 +9,7 @@ modes under test the only thing in its way.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import sys
@@ -102,21 +103,57 @@ def assert_one_clear_line(lines: list[str], expected: str) -> None:
     assert not [line for line in lines if "Traceback" in line], lines
 
 
-async def test_plugin_dir_under_a_parent_it_cannot_enter(open_tmp: Path) -> None:
-    """A plugin directory it can never create: exit 77 with one line naming it, no READY."""
+@pytest.mark.parametrize("exists", [False, True])
+async def test_plugin_dir_under_a_parent_it_cannot_enter(open_tmp: Path, exists: bool) -> None:
+    """A plugin directory it cannot look at, there or not: exit 77 with one line naming it, saying it
+    cannot look (never "cannot create" a directory that may well exist), no READY."""
     parent = open_tmp / "locked"
     parent.mkdir()
-    parent.chmod(0o000)
     plugin_dir = parent / "device-plugins"
+    if exists:
+        plugin_dir.mkdir()
+    parent.chmod(0o000)
     status, lines, sent = await start_refused(open_tmp, plugin_dir)
     assert status == os.EX_NOPERM, lines
     uid = NOBODY if os.geteuid() == 0 else os.geteuid()
     assert_one_clear_line(
         lines,
-        f"cannot create {plugin_dir}: permission denied (uid {uid}); ate-devplugd runs as root, "
+        f"cannot look at {plugin_dir}: permission denied (uid {uid}); ate-devplugd runs as root, "
         "and the directory must be root's",
     )
     assert not [fields for fields in sent if "READY" in fields], sent
+
+
+async def test_doctor_cannot_look_is_not_absent(open_tmp: Path) -> None:
+    """doctor as a user who may not look into the plugin directory does not FAIL kubelet's socket as
+    absent: it cannot look, and says so."""
+    dev_root = open_tmp / "root"
+    (dev_root / "dev").mkdir(parents=True)
+    plugin_dir = open_tmp / "locked" / "device-plugins"
+    plugin_dir.mkdir(parents=True)
+    (plugin_dir / "kubelet.sock").touch()
+    (open_tmp / "locked").chmod(0o000)
+    cfg = write_config(open_tmp / "c.toml", plugin_dir, dev_root)
+    cfg.chmod(0o644)
+    proc = await asyncio.create_subprocess_exec(
+        *not_root(),
+        sys.executable,
+        "-m",
+        "ate_devplugd",
+        "doctor",
+        "--json",
+        "--config",
+        str(cfg),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=subprocess_env(),
+        cwd="/",
+    )
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    found = {f["check"]: f for f in json.loads(out)["checks"]}
+    assert found["kubelet"]["level"] == "WARN", (out, err)
+    assert "cannot look: permission denied; run as root" in found["kubelet"]["message"]
 
 
 async def test_plugin_dir_it_cannot_write(open_tmp: Path) -> None:

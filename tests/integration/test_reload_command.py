@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import sys
 from pathlib import Path
 
 from ate_devplugd import config as configmod
@@ -45,9 +46,12 @@ def runtime_dir(tmp_path: Path) -> Path:
     return run
 
 
-async def reload_in_process(tmp_path: Path, kernel: FakeKernel, config: Config, new: Config | Path) -> tuple[int, str]:
+async def reload_in_process(
+    tmp_path: Path, kernel: FakeKernel, config: Config, new: Config | Path, *, journal: bool = False
+) -> tuple[int, str]:
     """The daemon on this loop runs ``config``; ``ate-devplugd reload`` makes it reload ``new`` (a config,
-    or a file to load): the command's exit status and stderr."""
+    or a file to load): the command's exit status and stderr (with ``journal``, a file that
+    ``$JOURNAL_STREAM`` names, as systemd gives ExecReload= the journal)."""
     run = runtime_dir(tmp_path)
     result = run / reload_result.FILE_NAME
 
@@ -65,13 +69,32 @@ async def reload_in_process(tmp_path: Path, kernel: FakeKernel, config: Config, 
             Outcome.STARTED,
         )
         env = subprocess_env(RUNTIME_DIRECTORY=str(run), MAINPID=str(os.getpid()))
-        status, out, err = await run_cli("reload", "--timeout", "20", env=env)
+        if journal:
+            status, out, err = await run_with_journal(tmp_path / "journal", env)
+        else:
+            status, out, err = await run_cli("reload", "--timeout", "20", env=env)
         assert out == ""
         after = reload_result.read(str(result))
         assert after is not None and after.generation == 1, after
         assert after.outcome is (Outcome.APPLIED if status == 0 else Outcome.REFUSED), (after, err)
     assert not result.exists(), "the record outlived the daemon"
     return status, err
+
+
+async def run_with_journal(path: Path, env: dict[str, str]) -> tuple[int, str, str]:
+    """``ate-devplugd reload`` with stderr the "journal": a file named by ``$JOURNAL_STREAM``."""
+    with open(path, "wb") as stream:
+        st = os.fstat(stream.fileno())
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "ate_devplugd", "reload", "--timeout", "20"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stream,
+            env={**env, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"},
+        )
+        out, _ = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), path.read_text()
 
 
 class TestVerdict:
@@ -95,6 +118,21 @@ class TestVerdict:
         assert status == 1
         assert err.startswith("ate-devplugd: config error: device[0] (ate.dev/kvm): count: 0 must be"), err
         assert err.count("\n") == 1, err
+
+    async def test_in_the_journal_each_error_is_written_once(
+        self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
+    ) -> None:
+        """Run by ExecReload= (stderr the journal, where the daemon wrote each error): exit 1, and a line
+        that does not write the error a second time."""
+        broken = write_config(
+            tmp_path / "c.toml",
+            plugin_dir,
+            fake_root,
+            '[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\ncount = 0\n',
+        )
+        config = kvm_config(plugin_dir, fake_root, count=8)
+        status, err = await reload_in_process(tmp_path, kernel, config, broken, journal=True)
+        assert (status, err) == (1, "ate-devplugd: reload 1 refused: the daemon's errors above say why\n")
 
     async def test_restart_only_change_exits_1_with_one_line(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel

@@ -133,7 +133,7 @@ contents() {
     local listing rc=0 path
     listing=$(dpkg-deb -c "$deb" | awk '{ print $6 }' | sed 's|^\./|/|; s|/$||' | grep -v '^/\?$')
     for path in /usr/bin/ate-devplugd \
-                /lib/systemd/system/ate-devplugd.service \
+                /usr/lib/systemd/system/ate-devplugd.service \
                 /etc/ate-devplugd/config.toml \
                 /usr/share/man/man8/ate-devplugd.8.gz \
                 /usr/share/man/man5/ate-devplugd.toml.5.gz \
@@ -148,7 +148,7 @@ contents() {
         grep -qxF "$path" <<<"$listing" || { say "missing from the package: $path"; rc=1; }
     done
     # Everything else must be one of these, or a directory leading to them.
-    local allowed='^/(etc|etc/ate-devplugd|etc/ate-devplugd/config\.toml|lib|lib/systemd|lib/systemd/system|lib/systemd/system/ate-devplugd\.service|usr|usr/bin|usr/bin/ate-devplugd|usr/lib|usr/lib/python3|usr/lib/python3/dist-packages|usr/lib/python3/dist-packages/ate_devplugd(/[A-Za-z0-9_]+)*(/([A-Za-z0-9_]+\.py|py\.typed))?|usr/lib/python3/dist-packages/ate_devplugd-[0-9][^/]*\.dist-info(/[A-Za-z_.]+)?|usr/share|usr/share/doc|usr/share/doc/ate-devplugd|usr/share/doc/ate-devplugd/(copyright|changelog\.gz)|usr/share/man|usr/share/man/man[58]|usr/share/man/man8/ate-devplugd\.8\.gz|usr/share/man/man5/ate-devplugd\.toml\.5\.gz|usr/share/lintian|usr/share/lintian/overrides|usr/share/lintian/overrides/ate-devplugd|usr/share/ate-devplugd|usr/share/ate-devplugd/(dra-mode\.conf|ate-devplugd\.rules\.yml))$'
+    local allowed='^/(etc|etc/ate-devplugd|etc/ate-devplugd/config\.toml|usr|usr/bin|usr/bin/ate-devplugd|usr/lib|usr/lib/systemd|usr/lib/systemd/system|usr/lib/systemd/system/ate-devplugd\.service|usr/lib/python3|usr/lib/python3/dist-packages|usr/lib/python3/dist-packages/ate_devplugd(/[A-Za-z0-9_]+)*(/([A-Za-z0-9_]+\.py|py\.typed))?|usr/lib/python3/dist-packages/ate_devplugd-[0-9][^/]*\.dist-info(/[A-Za-z_.]+)?|usr/share|usr/share/doc|usr/share/doc/ate-devplugd|usr/share/doc/ate-devplugd/(copyright|changelog\.gz)|usr/share/man|usr/share/man/man[58]|usr/share/man/man8/ate-devplugd\.8\.gz|usr/share/man/man5/ate-devplugd\.toml\.5\.gz|usr/share/lintian|usr/share/lintian/overrides|usr/share/lintian/overrides/ate-devplugd|usr/share/ate-devplugd|usr/share/ate-devplugd/(dra-mode\.conf|ate-devplugd\.rules\.yml))$'
     while IFS= read -r path; do
         [[ $path =~ $allowed ]] || { say "unexpected in the package: $path"; rc=1; }
         case "$path" in
@@ -225,7 +225,7 @@ score() {
     local name=$1 max=$2 dropin=${3:-} merged=$sdir/$1/root out score
     overlay "$name" || return 1
     mkdir -p "$merged/etc/systemd/system/ate-devplugd.service.d"
-    cp "$work/deb/lib/systemd/system/ate-devplugd.service" "$merged/etc/systemd/system/"
+    cp "$work/deb/usr/lib/systemd/system/ate-devplugd.service" "$merged/etc/systemd/system/"
     [ -z "$dropin" ] || cp "$work/deb/$dropin" "$merged/etc/systemd/system/ate-devplugd.service.d/"
     out=$(chroot "$merged" systemd-analyze security --offline=true --no-pager ate-devplugd.service 2>&1) || true
     say "[$suite] $(chroot "$merged" systemd-analyze --version | head -n 1)"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.reload.decision import Reason, ReloadRefused, accept
@@ -42,9 +43,19 @@ def test_a_config_that_does_not_load(tmp_path: Path) -> None:
 
 
 def test_what_check_config_refuses(tmp_path: Path) -> None:
+    """The reload loads the file as check-config does (``config.load``): a path that is a directory on
+    this host is refused with the file's other errors, in one round."""
     (tmp_path / "dev" / "kvm").mkdir(parents=True)
-    got = refusal(running(tmp_path), running(tmp_path, log_level="debug"))
-    assert got.reason is Reason.CONFIG_ERROR and "is a directory" in got.first
+    path = tmp_path / "c.toml"
+    path.write_text(f'dev_root = "{tmp_path}"\nbogus = 1\n[[device]]\nresource = "ate.dev/kvm"\npath = "/dev/kvm"\n')
+    with pytest.raises(ReloadRefused) as info:
+        accept(running(tmp_path), lambda: configmod.load(path))
+    got = info.value
+    assert got.reason is Reason.CONFIG_ERROR
+    assert got.lines == (
+        "unknown key 'bogus'",
+        "device[0] (ate.dev/kvm): path: '/dev/kvm' is a directory; path names a device node, e.g. '/dev/kvm'",
+    )
 
 
 def test_a_restart_only_change_is_one_line_with_no_python_in_it(tmp_path: Path) -> None:

@@ -26,6 +26,16 @@ def under_systemd(environ: dict[str, str] | None = None) -> bool:
     return bool(env.get("JOURNAL_STREAM") or env.get("INVOCATION_ID"))
 
 
+def stderr_is_journal(environ: dict[str, str] | None = None) -> bool:
+    """Whether stderr is the journal's stream systemd gave (``$JOURNAL_STREAM``: its device and inode)."""
+    env = os.environ if environ is None else environ
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return False
+    return env.get("JOURNAL_STREAM", "") == f"{st.st_dev}:{st.st_ino}"
+
+
 class JournalHandler(logging.Handler):
     """Writes records to journald with a PRIORITY and the ATE_* fields given in ``extra=``."""
 

@@ -51,7 +51,8 @@ examples:
   ate-devplugd switch-mode dra       (and back: ate-devplugd switch-mode device-plugin)
 
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
-             77 not root: cannot create or write the plugin directory (EX_NOPERM);
+             77 not root: cannot create or write a directory it needs (EX_NOPERM);
+             71 another system error at start (EX_OSERR), named;
              1 probe found a socket that does not answer, doctor found a FAIL, or the daemon
                refused or failed a reload (or there is none to ask); 2 bad usage.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)

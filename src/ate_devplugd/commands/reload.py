@@ -5,7 +5,8 @@ refuses fails ``systemctl reload``, whatever the reason: a config error, a resta
 another process serves. It reads the daemon's reload record in its runtime directory
 (``reload.result``), sends SIGHUP, and waits (on inotify events, with a timeout) for the daemon's verdict
 on this reload: nothing printed and True when it was applied; the first error on stderr and False when it
-was refused or failed, or when no verdict comes.
+was refused or failed, or when no verdict comes. When stderr is the journal (``ExecReload=``), where the
+daemon wrote each error already, the line says only that the reload was refused, not the error again.
 
 A daemon that keeps no record (run by hand: no runtime directory) is signalled all the same, and the
 command says what it can tell without it: the config file's own errors, as ``check-config`` finds them.
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Mapping
 
 from ate_devplugd import config as configmod
+from ate_devplugd.base.logs import stderr_is_journal
 from ate_devplugd.config import ConfigError
 from ate_devplugd.reload import result as reload_result
 from ate_devplugd.reload.result import Outcome
@@ -96,6 +98,8 @@ def _verdict(path: str, pid: int, after: int, timeout: float, pidfd: int | None)
     if result is None:
         return _fail(f"the daemon (pid {pid}) did not say how the reload went within {timeout:g} s")
     if result.outcome is not Outcome.APPLIED:
+        if stderr_is_journal():  # ExecReload=: the daemon's own lines, each error once, are there already
+            return _fail(f"reload {result.generation} {result.outcome.value}: the daemon's errors above say why")
         return _fail(result.error or f"the reload was {result.outcome.value}")
     return True
 
@@ -112,7 +116,8 @@ def _daemon_pid(environ: Mapping[str, str], path: str) -> int | None:
 def _without_record(config_path: str | None, pid: int, path: str) -> bool:
     """The daemon keeps no record: what the file says is all there is to tell."""
     try:
-        errors = list(configmod.review(configmod.load(config_path)).errors)
+        configmod.load(config_path)
+        errors: list[str] = []
     except ConfigError as exc:
         errors = exc.errors
     if errors:

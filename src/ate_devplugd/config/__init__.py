@@ -1,9 +1,12 @@
 """Configuration: a TOML file, validated field by field into frozen dataclasses.
 
-Loading touches the file system only to read the one file (a group name in ``container_gid`` is
-looked up in the host's group database, and DRA mode's default node name is the host name); every
-error names the key, the ``[[device]]`` table it sits in and the bad value (as TOML), and all errors
-are reported together. ``review``, for ``check-config`` only, also looks at each device path.
+Loading is the one validation, the same for start, reload, ``check-config`` and ``doctor``: every check
+runs, and all errors are reported together. It reads the one file and looks at each device path on this
+host (``config.host``: a directory is an error); a group name in ``container_gid`` is looked up in the
+host's group database, and DRA mode's default node name is the host name. Every error names the key, the
+``[[device]]`` table it sits in and the bad value (as TOML); the command line's overrides (``run
+--plugin-dir``...) are checked in the same round, as their options. ``review`` says what else a valid
+config means (warnings, notes).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.toml_text import toml_str, toml_value
 from ate_devplugd.config import device as device_config
+from ate_devplugd.config import host
 from ate_devplugd.config.device import DeviceConfig, GroupLookup, host_gid, qualified_name
 
 if TYPE_CHECKING:
@@ -88,16 +93,28 @@ class Config:
     ) -> Config:
         """Apply command-line overrides, validated like the file's values."""
         errors: list[str] = []
-        changes: dict[str, Any] = {}
-        if plugin_dir is not None:
-            changes["plugin_dir"] = _abs_dir("--plugin-dir", plugin_dir, errors)
-        if dev_root is not None:
-            changes["dev_root"] = _abs_dir("--dev-root", dev_root, errors)
-        if log_level is not None:
-            changes["log_level"] = _log_level("--log-level", log_level, errors)
+        changes = _overrides({"plugin_dir": plugin_dir, "dev_root": dev_root, "log_level": log_level}, errors)
         if errors:
             raise ConfigError(errors)
         return dataclasses.replace(self, **changes)
+
+
+#: The command line's overrides of the file: a key of the file -> its value (None: not given).
+Overrides = Mapping[str, "str | None"]
+
+
+def _overrides(given: Overrides, errors: list[str]) -> dict[str, Any]:
+    """The overrides given, each checked as its option (``--plugin-dir``) is named."""
+    checks: dict[str, Callable[[str, object, list[str]], str]] = {
+        "plugin_dir": _abs_dir,
+        "dev_root": _abs_dir,
+        "log_level": _log_level,
+    }
+    return {
+        key: checks[key]("--" + key.replace("_", "-"), value, errors)
+        for key, value in given.items()
+        if value is not None
+    }
 
 
 @dataclass(frozen=True)
@@ -147,11 +164,14 @@ def running_config_path(environ: Mapping[str, str] = os.environ) -> str:
     return posixpath.join(runtime_dir, RUNNING_CONFIG_NAME)
 
 
-def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) -> Config:
-    """Read and validate the config file; ``None`` or a missing default file gives the defaults."""
+def load(
+    path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid, overrides: Overrides | None = None
+) -> Config:
+    """Read and validate the config file (with the command line's ``overrides``), every check in one
+    round; ``None`` or a missing default file gives the defaults."""
     if path is None:
-        if not os.path.exists(DEFAULT_CONFIG_PATH):
-            return Config(devices_defaulted=True)
+        if look(DEFAULT_CONFIG_PATH) is Look.ABSENT:  # one it cannot look at is read, and says why
+            return from_mapping({}, gid_of, overrides=overrides)
         path = DEFAULT_CONFIG_PATH
     try:
         with open(path, encoding="utf-8") as fh:
@@ -162,20 +182,25 @@ def load(path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid) ->
         raise ConfigError(
             [f"cannot read {os.fspath(path)}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"]
         ) from exc
-    return parse(text, source=str(path), gid_of=gid_of)
+    return parse(text, source=str(path), gid_of=gid_of, overrides=overrides)
 
 
-def parse(text: str, source: str = "<config>", gid_of: GroupLookup = host_gid) -> Config:
+def parse(
+    text: str, source: str = "<config>", gid_of: GroupLookup = host_gid, overrides: Overrides | None = None
+) -> Config:
     """Parse TOML text into a validated Config (group names resolved with ``gid_of``)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{source}: not valid TOML: {exc}"]) from exc
-    return from_mapping(data, gid_of)
+    return from_mapping(data, gid_of, overrides=overrides)
 
 
 def from_mapping(
-    data: Mapping[str, Any], gid_of: GroupLookup = host_gid, gethostname: Callable[[], str] = socket.gethostname
+    data: Mapping[str, Any],
+    gid_of: GroupLookup = host_gid,
+    gethostname: Callable[[], str] = socket.gethostname,
+    overrides: Overrides | None = None,
 ) -> Config:
     """Validate an already-parsed mapping (the TOML document)."""
     errors: list[str] = []
@@ -192,6 +217,7 @@ def from_mapping(
         top["metrics_file"] = _metrics_file(data["metrics_file"], errors)
     if "runtime_socket" in data:
         top["runtime_socket"] = _runtime_socket(data["runtime_socket"], errors)
+    top.update(_overrides(overrides or {}, errors))
     mode = "device-plugin"
     if "mode" in data or "dra" in data:
         # DRA mode's checks are read only where the file speaks of it (they cost start-up a few ms).
@@ -209,6 +235,7 @@ def from_mapping(
     if devices is not None:
         top["devices"] = device_config.tables(devices, errors, gid_of, cdi_required=mode == "dra")
     top["devices_defaulted"] = "device" not in data
+    errors.extend(host.path_errors(top.get("dev_root") or "/", devices))
     if mode == "dra" and not errors:
         from ate_devplugd.config.pools import DraResource, build_pools  # noqa: PLC0415
 
@@ -221,39 +248,33 @@ def from_mapping(
 
 @dataclass(frozen=True)
 class Review:
-    """What ``check-config`` says of a valid config beyond the file itself, one line each."""
+    """What ``check-config`` says of a valid config beyond its errors (``load`` finds them all), one line each."""
 
-    #: A device path that cannot be a device node on this host (a directory): exit 78, as for the file's errors.
-    errors: tuple[str, ...]
-    #: Legal but costly settings (``count`` above COSTLY_COUNT): said, exit 0.
+    #: Legal but costly or unused settings (``count`` above COSTLY_COUNT, ``[dra]`` outside DRA mode):
+    #: said, exit 0; the daemon logs each once at start.
     warnings: tuple[str, ...]
     #: What the file leaves to the defaults that a reader may not expect.
     notes: tuple[str, ...]
 
 
 def review(config: Config) -> Review:
-    """Look at a loaded config as ``check-config`` does: each device path on this host (under
-    ``dev_root``), what each ``count`` costs kubelet, and whether the devices are the defaults.
-
-    ``check-config`` and a reload call this: at start the daemon serves a path that is a directory as an
-    absent device (it may become the node later) and says so in STATUS, but a reload refuses what
-    ``check-config`` refuses, so that a config the command refuses is never applied by a reload either.
-    """
-    errors: list[str] = []
+    """What ``check-config`` says of a loaded config beyond its errors: what each ``count`` costs kubelet,
+    and whether the devices are the defaults."""
     warnings: list[str] = []
     notes: list[str] = []
     for index, dev in enumerate(config.devices):
         where = f"device[{index}] ({dev.resource})"
-        if os.path.isdir(posixpath.join(config.dev_root, dev.path.lstrip("/"))):
-            errors.append(
-                f"{where}: path: {toml_value(dev.path)} is a directory; path names a device node, e.g. '/dev/kvm'"
-            )
         if dev.count > device_config.COSTLY_COUNT and config.mode == "device-plugin":  # DRA: dra.devices
             warnings.append(f"{where}: count: {dev.count} {device_config.count_cost(dev.count)}")
+    if config.dra is not None and config.mode != "dra":
+        warnings.append(
+            '[dra]: read only in DRA mode (mode = "dra"); in device-plugin mode it is checked, not used, '
+            "and a reload refuses any change to it (it changes only on restart)"
+        )
     if config.devices_defaulted:
         default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
         notes.append(f"no [[device]] table: serving the default {default}")
-    return Review(tuple(errors), tuple(warnings), tuple(notes))
+    return Review(tuple(warnings), tuple(notes))
 
 
 def _abs_dir(key: str, value: object, errors: list[str]) -> str:

@@ -14,6 +14,7 @@ import asyncio
 import os
 import posixpath
 
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS, KUBELET_COMM, Endpoint, Kubelet, choose, config_file
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport, decide
 
@@ -91,7 +92,7 @@ def find_socket(configured: str, candidates: tuple[str, ...] = DEFAULT_RUNTIME_S
     """The runtime socket to ask: the named one (``discover``), else the first usual one that exists."""
     if configured:
         return configured
-    return next((path for path in candidates if os.path.exists(path)), None)
+    return next((path for path in candidates if look(path) is not Look.ABSENT), None)
 
 
 def absent_report(configured_socket: str) -> RuntimeReport | None:
@@ -101,7 +102,7 @@ def absent_report(configured_socket: str) -> RuntimeReport | None:
     if socket is None:
         where = ", ".join(DEFAULT_RUNTIME_SOCKETS)
         return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {where}")
-    if not os.path.exists(socket):
+    if look(socket) is Look.ABSENT:
         return RuntimeReport(CdiVerdict.UNKNOWN, f"no runtime socket at {socket}", socket=socket)
     return None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import posixpath
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from ate_devplugd.base.backoff import Backoff
 from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.cri import conflicts as cdi_conflicts
 from ate_devplugd.cri.ask import absent_report, ask, discover
@@ -189,7 +189,7 @@ class RuntimeCheck:
         if not any(ev.name in names if ev.kind in ("created", "removed") else True for ev in events):
             return
         report = self._report
-        if report is not None and report.socket and not os.path.exists(report.socket):
+        if report is not None and report.socket and look(report.socket) is Look.ABSENT:
             # The runtime the verdict came from is gone: it applies nothing now, whatever it said.
             self._cancel()
             gone = absent_report(self._socket) or RuntimeReport(

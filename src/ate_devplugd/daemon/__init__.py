@@ -1,8 +1,9 @@
 """The daemon's lifecycle: start-up, the main loop, reload and shutdown, on one asyncio loop.
 
 Start-up takes the instance lock, then applies the config from nothing; a reload applies a re-read one
-over the running one. Both are one method, ``Daemon._apply``, whose docstring gives the one order of its
-steps (watch, then read the state, then serve: each socket proves it answers before it registers).
+over the running one. Both are one method, ``Daemon._apply``: a plan (every step that can fail), then a
+commit (watch, then read the state, then serve: each socket proves it answers before it registers), and
+the config swapped last (``daemon.apply``).
 READY=1 goes out once every present device has been served, whether or not kubelet is there; the
 metrics file follows from then on, and so does the question to the container runtime whether it applies
 our CDI names (``cri.check.RuntimeCheck`` says when it asks again). The main loop sleeps until a
@@ -15,7 +16,6 @@ each went (STATUS, journal, counters, the record ``ate-devplugd reload`` reads).
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import signal
@@ -24,12 +24,14 @@ from collections.abc import Callable
 from ate_devplugd.base.grpc_compat import grpc_runtime
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.unixserver import SocketInUseError
-from ate_devplugd.config import Config, ConfigDiff, diff
+from ate_devplugd.config import Config, ConfigDiff
 from ate_devplugd.cri.check import RuntimeCheck
 from ate_devplugd.cri.facts import RuntimeReport, wanted
 from ate_devplugd.cri.usable import Usability
+from ate_devplugd.daemon import apply
+from ate_devplugd.daemon.apply import start_failure
 from ate_devplugd.daemon.modes import Modes
-from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError, make_plugin_dir, no_permission
+from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.devices import Resource
 from ate_devplugd.node.kernel import KernelView
@@ -114,12 +116,9 @@ class Daemon:
             return os.EX_CANTCREAT
         watchdog: asyncio.Task[None] | None = None
         try:
-            try:
-                if not await self._start():
-                    return os.EX_CANTCREAT
-            except NoPermissionError as exc:
-                self._events.error("no-permission", "%s; not starting", exc)
-                return os.EX_NOPERM
+            status = await self._start()
+            if status != os.EX_OK:
+                return status
             watchdog = self._start_watchdog()
             await self._main_loop()
             self._notifier.stopping()
@@ -140,13 +139,14 @@ class Daemon:
             self._notifier.close()
             self._files.forget()
 
-    async def _start(self) -> bool:
-        """Start: the config applied from nothing (``_apply``); False if another process serves our sockets."""
+    async def _start(self) -> int:
+        """Start: the config applied from nothing (``_apply``); else the exit status by its cause
+        (sysexits): 73 another process serves our sockets, 77 we may not, 71 any other error."""
         busy = sockets_in_use(self.config, self.config.devices)
         for msg in busy:
             self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
         if busy:
-            return False
+            return os.EX_CANTCREAT
         self._devices = DeviceWatch(
             self.config, self._looked, self._kernel, self._monitor_factory, self._metrics.cdi_spec_rewrite
         )
@@ -155,51 +155,33 @@ class Daemon:
         self._mode = Modes(self.config, registry, self._watch, self._metrics, self._update_status)
         try:
             await self._apply(None, self.config)
-        except PermissionError as exc:  # DRA mode makes its directories in kubelet's, as root only can
-            if exc.errno != errno.EACCES or exc.filename is None:
-                raise
-            raise no_permission("create", str(exc.filename)) from exc
+        except NoPermissionError as exc:
+            self._events.error("no-permission", "%s; not starting", exc)
+            return os.EX_NOPERM
         except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
-            self._events.error("serve-failed", "cannot serve: %s; is another ate-devplugd running? Not starting", exc)
-            return False
-        return True
+            status, line = start_failure(exc)
+            if status == os.EX_NOPERM:
+                self._events.error("no-permission", "%s; not starting", line)
+            else:
+                self._events.error("serve-failed", "%s; not starting", line)
+            return status
+        return os.EX_OK
 
     # -- applying a config: at start and on reload -------------------------------------------------
     async def _apply(self, old: Config | None, new: Config) -> None:
-        """Run ``new`` instead of ``old`` (None at start: from nothing). Start and reload take these
-        steps, in this one order:
-
-        1. the log level;
-        2. watch: the plugin directory (made at start) and udev for the devices' subsystems, before any
-           look, so that no change after a look goes unseen;
-        3. the removed resources stop being served, and the metrics hold the new set of resources;
-        4. read the state: CDI's directory (followed), then a look at each device (which writes its CDI spec);
-        5. serve the added resources: each serves its socket, checks it answers, then registers (the mode);
-        6. the new config is the running one (``_running``): READY=1 at start, then the metrics file, the
-           container runtime asked again, the copy for ``probe`` and the outcome for ``reload``.
-
-        A reload gets here only once ``reload.decision.accept`` took the new config: it is applied whole.
-        """
-        change = diff(old or Config(devices=()), new)
-        logging.getLogger().setLevel(new.log_level.upper())
-        self.config = new
-        if old is None:
-            if new.mode != "dra":  # DRA mode's server makes its own directories
-                make_plugin_dir(new.plugin_dir)
-            self._watch.start()
+        """Run ``new`` instead of ``old`` (None at start: from nothing), as ``daemon.apply`` plans and
+        commits it; then the config is swapped, with its copy for ``probe``, and what follows it: READY=1
+        at start, the metrics file, the container runtime asked again, the outcome for ``reload``. A
+        reload gets here only once ``reload.decision.accept`` took the new config."""
         assert self._mode is not None and self._devices is not None
-        self._devices.watch(new.devices)
-        await self._mode.stop(change.removed)
-        for name in change.removed:
-            self._metrics.remove_resource(name)
-        for name in change.added:
-            self._metrics.add_resource(name)
-        self._devices.read(new)
-        await self._mode.start(change.added)
-        self._running(old is None, change)
+        step = apply.plan(old, new, self._watch, self._devices)
+        await apply.commit(step, self._mode, self._devices, self._metrics)
+        self.config = new
+        self._files.keep_config(new)
+        self._running(old is None, step.change)
 
     def _running(self, first: bool, change: ConfigDiff) -> None:
-        """Step 6 of ``_apply``: say so, then what follows the config it runs."""
+        """After the swap: say so, then what follows the config it runs."""
         if first:
             self._ready = True
             self._notifier.ready(self.status_line())
@@ -208,7 +190,6 @@ class Daemon:
             self._metrics.on_change = self._metrics_file.changed
         self._metrics_file.enable(self.config.metrics_file)
         self._ask_runtime()
-        self._files.keep_config(self.config)
         if first:
             self._reloads.started()
         else:

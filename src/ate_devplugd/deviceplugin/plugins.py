@@ -3,20 +3,26 @@
 The daemon tells the mode which resources to serve (at start, and what a reload added or removed);
 the mode starts a session task for each, waits for their first attempts, stops them, and describes
 them for STATUS. Sessions restart themselves (kubelet restarts, lost sockets); a stopped session's
-socket is removed.
+socket is removed. When a first attempt takes longer than ``READY_TIMEOUT``, start-up (READY=1) and
+a reload go on without it, and say so: the ``ready`` event at warning, and a part of STATUS until that
+attempt ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import posixpath
 from collections.abc import Callable
 
+from ate_devplugd.base.logs import EventLog
 from ate_devplugd.deviceplugin.session import Session
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.devices import DeviceRegistry, Resource
 from ate_devplugd.signals.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 #: How long start-up (and a reload) waits for each new session's first attempt before going on.
 READY_TIMEOUT = 20.0
@@ -42,6 +48,8 @@ class DevicePlugins:
         self._on_state = on_state
         self._sessions: dict[str, Session] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: The sessions whose first attempt outlasted READY_TIMEOUT (said in STATUS until it ends).
+        self._late: set[str] = set()
 
     async def start(self, names: list[str] | tuple[str, ...]) -> None:
         """Serve and register these resources; return once each has made its first attempt."""
@@ -57,6 +65,15 @@ class DevicePlugins:
         waits = [self._sessions[name].first_attempt.wait() for name in names]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*waits), READY_TIMEOUT)
+        late = [name for name in names if not self._sessions[name].first_attempt.is_set()]
+        if late:
+            self._late.update(late)
+            EventLog(log).warning(  # the event of READY: it goes out now, without these
+                "ready",
+                "ready after %g s without the first attempt of %s (see its state in STATUS)",
+                READY_TIMEOUT,
+                ", ".join(late),
+            )
 
     async def stop(self, names: list[str] | tuple[str, ...] | None = None) -> None:
         """Stop these sessions (all, by default): their servers stop and their sockets go."""
@@ -68,6 +85,7 @@ class DevicePlugins:
             await asyncio.gather(*tasks, return_exceptions=True)
         for name in names:
             self._sessions.pop(name, None)
+            self._late.discard(name)
 
     def looked(self, resource: Resource) -> None:
         """A look at a device, or a change of its withholding: its gauges (every unit offered once the
@@ -86,4 +104,9 @@ class DevicePlugins:
         parts = [
             f"{name}: {self._sessions[name].describe()}" for name in self._registry.resources if name in self._sessions
         ]
+        self._late = {name for name in self._late if not self._sessions[name].first_attempt.is_set()}
+        if self._late:
+            parts.append(
+                f"ready after {READY_TIMEOUT:g} s without the first attempt of {', '.join(sorted(self._late))}"
+            )
         return " | ".join(parts) or "no devices"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import hashlib
 import os
 import posixpath
@@ -61,6 +62,15 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def unreadable(exc: OSError | UnicodeDecodeError) -> str:
+    """Why a file could not be read, in words (``no such file``), never ``[Errno 2] ...``."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"cannot read: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+    if exc.errno == errno.ENOENT:
+        return "no such file"
+    return f"cannot read: {(exc.strerror or str(exc)).lower()}"
+
+
 def file_digest(path: str) -> str | None:
     """The digest of ``path``'s bytes now, or None if it cannot be read."""
     try:
@@ -103,7 +113,7 @@ def _load(path: str, files: _Files) -> Credentials:
     try:
         text = files.bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise KubeconfigError(f"{path}: cannot read: {exc}") from None
+        raise KubeconfigError(f"{path}: {unreadable(exc)}") from None
     try:
         doc = yaml.load(text, Loader=_LOADER)  # a safe loader (C if available)
     except yaml.YAMLError as exc:
@@ -190,7 +200,7 @@ def _auth_headers(path: str, base: str, user: Mapping[str, Any], files: _Files) 
         try:
             token = files.bytes(token_path).decode("utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise KubeconfigError(f"{path}: user tokenFile: cannot read {token_path}: {exc}") from None
+            raise KubeconfigError(f"{path}: user tokenFile: {token_path}: {unreadable(exc)}") from None
     if token is None:
         return {}
     if not isinstance(token, str) or not token or not token.isprintable():
@@ -213,7 +223,7 @@ def _pem(path: str, base: str, section: Mapping[str, Any], key: str, files: _Fil
     try:
         return files.bytes(file_path)
     except OSError as exc:
-        raise KubeconfigError(f"{path}: {key}: cannot read {file_path}: {exc.strerror}") from None
+        raise KubeconfigError(f"{path}: {key}: {file_path}: {unreadable(exc)}") from None
 
 
 @contextlib.contextmanager

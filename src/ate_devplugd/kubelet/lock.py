@@ -17,6 +17,7 @@ import socket
 import struct
 
 from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixserver import SocketInUseError, check_socket_free
 from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
@@ -41,7 +42,10 @@ def make_plugin_dir(plugin_dir: str) -> None:
 
     Raises NoPermissionError when our user may not create the directory or write in it; a read-only or
     immutable file system, or one still to be mounted, is waited for instead."""
-    if not os.path.isdir(plugin_dir):
+    seen = look(plugin_dir, directory=True)
+    if seen is Look.CANNOT_LOOK:  # not "cannot create": it may well be there
+        raise no_permission("look at", plugin_dir)
+    if seen is Look.ABSENT:
         try:
             os.makedirs(plugin_dir, mode=0o750, exist_ok=True)
             log.info("created %s", plugin_dir)

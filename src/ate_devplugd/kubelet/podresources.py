@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from ate_devplugd._pb.podresources.v1 import api_pb2, api_pb2_grpc
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import ONE_ATTEMPT, unix_target
 
 #: Beside the device-plugin directory, under kubelet's root directory.
@@ -40,7 +41,7 @@ class Unanswered(Exception):
 
 async def allocatable(socket_path: str, timeout: float) -> Allocatable:
     """Ask kubelet which device units it holds as allocatable; raises ``Unanswered`` with the reason."""
-    if not os.path.exists(socket_path):
+    if look(socket_path) is Look.ABSENT:
         raise Unanswered(f"no {socket_path}")
     async with grpc.aio.insecure_channel(unix_target(socket_path), options=ONE_ATTEMPT) as channel:
         stub = api_pb2_grpc.PodResourcesListerStub(channel)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import FileIdentity, socket_answers
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class KubeletWatch:
         return unsubscribe
 
     def dir_exists(self) -> bool:
-        return os.path.isdir(self.plugin_dir)
+        return look(self.plugin_dir, directory=True) is not Look.ABSENT
 
     def kubelet(self) -> FileIdentity | None:
         """The kubelet.sock there now (None when there is none): which kubelet a Register would reach. Its

@@ -13,12 +13,12 @@ import asyncio
 import enum
 import errno
 import logging
-import os
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.node.kernel import KernelView
 
@@ -108,7 +108,7 @@ def presence(dev: DeviceConfig, dev_root: str, kernel: KernelView) -> Presence: 
         where += ", KVM API 12"
     link = posixpath.join(dev_root, f"dev/char/{major}:{minor}")
     note = ""
-    if not os.path.lexists(link):
+    if look(link, follow=False) is Look.ABSENT:
         # With the systemd cgroup driver, `systemctl daemon-reload` rebuilds device rules from
         # /dev/char links; without one, running containers can lose the device.
         note = f"{link} is missing: running containers may lose the device on a systemd daemon-reload"

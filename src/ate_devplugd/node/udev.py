@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.node import kvm_events
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def default_monitor(context: object) -> tuple[MonitorLike, str]:
     """A netlink monitor: udev source when udevd runs (events after its rules ran), else kernel."""
     import pyudev  # noqa: PLC0415 - libudev is loaded only by the daemon
 
-    source = "udev" if os.path.exists(UDEVD_CONTROL) else "kernel"
+    source = "udev" if look(UDEVD_CONTROL) is not Look.ABSENT else "kernel"
     monitor = pyudev.Monitor.from_netlink(context, source=source)
     try:
         monitor.set_receive_buffer_size(RECEIVE_BUFFER)
@@ -123,18 +123,26 @@ class UdevWatcher:
             log.info("no socket filter for KVM's VM announcements (%s): they are left out after they are read", exc)
 
     def set_subsystems(self, subsystems: Iterable[str]) -> None:
-        """Change the in-kernel filter (on reload); libudev's new one gets the VM-announcement filter in front."""
+        """Change the in-kernel filter (on reload); libudev's new one gets the VM-announcement filter in
+        front. A filter the kernel refuses (OSError) leaves the old one in place, and is raised."""
         wanted = frozenset(subsystems)
         if wanted == self._subsystems:
             return
+        try:
+            self._filter(wanted)
+        except OSError:
+            self._filter(self._subsystems)
+            raise
+        self._subsystems = wanted
+
+    def _filter(self, subsystems: frozenset[str]) -> None:
         try:
             self._monitor.remove_filter()
         except OSError as exc:
             # Nothing to detach (no socket filter in place); the match list is cleared anyway.
             log.debug("removing the udev filter: %s", exc)
-        for subsystem in sorted(wanted):
+        for subsystem in sorted(subsystems):
             self._monitor.filter_by(subsystem)
-        self._subsystems = wanted
         self._drop_vm_announcements()
 
     def close(self) -> None:

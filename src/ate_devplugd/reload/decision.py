@@ -1,7 +1,7 @@
 """Whether a reload may apply a re-read config: the checks that refuse it whole, before anything changes.
 
 A reload is refused, and the running config kept, for the first of these it meets: the file does not
-load (each of its errors); ``check-config`` refuses it on this host (``config.review``'s errors); it
+load (each of its errors: ``config.load`` is the one validation, the one ``check-config`` runs); it
 changes a restart-only key (``config.RESTART_ONLY``), or in DRA mode the set of resources; an added
 resource's socket is served by another process. The refusal carries every line of its kind for the
 journal, the first for STATUS, and the line the ``reload`` command shows.
@@ -58,9 +58,6 @@ def accept(running: Config, load: Callable[[], Config]) -> Config:
         new = load()
     except ConfigError as exc:
         raise ReloadRefused(Reason.CONFIG_ERROR, exc.errors) from None
-    review = configmod.review(new)  # what check-config refuses
-    if review.errors:
-        raise ReloadRefused(Reason.CONFIG_ERROR, review.errors)
     restart = configmod.restart_only_change(running, new) or _dra_resources_change(running, new)
     if restart is not None:
         raise ReloadRefused(Reason.RESTART_ONLY, [restart])

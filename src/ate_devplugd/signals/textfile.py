@@ -61,6 +61,8 @@ class TextfileWriter:
         self._handle: asyncio.TimerHandle | None = None
         self._last_write: float | None = None
         self._written_path = ""
+        #: Why metrics went off, as last said (the path and the errno): said again only when it changes.
+        self._off: tuple[str, int | None] | None = None
 
     @property
     def pending(self) -> bool:
@@ -118,9 +120,15 @@ class TextfileWriter:
             return
         self.writes += 1
         self._written_path = self.path
+        self._off = None
 
     def _turn_off(self, exc: OSError) -> None:
+        """Off until a reload; said once per cause (a reload that meets the same one says nothing again)."""
         self.enabled = False
+        if self._off == (self.path, exc.errno):
+            log.debug("metrics still off: %s: %s", self.path, exc.strerror or exc)
+            return
+        self._off = (self.path, exc.errno)
         events = EventLog(log)
         if exc.errno in _MISSING_DIR:
             events.info(

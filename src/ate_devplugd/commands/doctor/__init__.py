@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ate_devplugd import config as configmod
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import socket_answers
+from ate_devplugd.commands import running as running_daemon
 from ate_devplugd.commands.doctor import daemon as doctor_daemon
 from ate_devplugd.commands.doctor import runtime as doctor_runtime
 from ate_devplugd.commands.doctor import switch as doctor_switch
@@ -52,6 +54,8 @@ KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet
 #: How long a call to a socket, kubelet or the API server may take.
 TIMEOUT = 5.0
 MOUNTINFO = "/proc/self/mountinfo"
+#: What doctor says of a path it may not look at (it is not root).
+CANNOT_LOOK = "cannot look: permission denied; run as root"
 
 
 @dataclass
@@ -72,17 +76,21 @@ class Node:
 
 
 async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> list[Finding]:
-    """Every check, in order; a config that does not load is the only finding that stops the rest."""
-    try:
-        cfg = configmod.load(config_path)
-    except ConfigError as exc:
-        where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
-        return [
-            fail("config", line if where in line else f"{where}: {line}", "fix the file (ate-devplugd check-config)")
-            for line in exc.errors
-        ]
-    source = str(config_path) if config_path else _default_source()
-    findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    """Every check, in order, of the daemon that runs (its config; how the file differs) or, with none
+    running, of the file; a config that does not load is the only finding that stops the rest."""
+    daemon = running_daemon.find(config_path)
+    if daemon is not None:
+        cfg = daemon.config
+        findings = running_findings(daemon)
+    else:
+        try:
+            cfg = configmod.load(config_path)
+        except ConfigError as exc:
+            where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
+            remedy = "fix the file (ate-devplugd check-config)"
+            return [fail("config", line if where in line else f"{where}: {line}", remedy) for line in exc.errors]
+        source = str(config_path) if config_path else _default_source()
+        findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
     endpoint = runtime_ask.discover(cfg.runtime_socket, node.proc_root)
     report = await runtime_ask.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
     dirs = report.spec_dirs or runtime_facts.CDI_DEFAULT_SPEC_DIRS
@@ -100,9 +108,23 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
     return findings
 
 
+def running_findings(daemon: running_daemon.RunningDaemon) -> list[Finding]:
+    """The config the daemon runs; WARN when the file on disk differs, and when its last reload was not applied."""
+    cfg = daemon.config
+    out = [ok("config", f"the running daemon's, {daemon.source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    if daemon.file_error:
+        out.append(warn("config file", daemon.file_line(), "fix the file (ate-devplugd check-config)"))
+    elif daemon.differences:
+        remedy = "systemctl restart ate-devplugd" if daemon.restart else "systemctl reload ate-devplugd"
+        out.append(warn("config file", daemon.file_line(), remedy))
+    if daemon.refused:
+        out.append(warn("reload", f"the last reload was not applied: {daemon.refused}", "journalctl -u ate-devplugd"))
+    return out
+
+
 def _default_source() -> str:
     path = configmod.DEFAULT_CONFIG_PATH
-    return path if os.path.exists(path) else "built-in defaults"
+    return path if look(path) is not Look.ABSENT else "built-in defaults"
 
 
 # -- devices ---------------------------------------------------------------------------------------
@@ -117,16 +139,16 @@ def device_findings(
 ) -> list[Finding]:
     """Present with the kernel's major:minor; for KVM, a VM can be created; the host's owner and mode."""
     check = f"device {dev.resource}"
-    look = devices.presence(dev, cfg.dev_root, kernel)
-    if not look.present:
-        if os.path.isdir(devices.node_path(dev, cfg.dev_root)):
+    found = devices.presence(dev, cfg.dev_root, kernel)
+    if not found.present:
+        if look(devices.node_path(dev, cfg.dev_root), directory=True) is Look.PRESENT:
             remedy = "set path to the device node: a directory is none (ate-devplugd check-config says so)"
         elif is_kvm(dev):
             remedy = _load_kvm_remedy()
         else:
             remedy = f"load the module that provides {dev.path}"
-        return [fail(check, look.reason, remedy)]
-    out = [ok(check, f"{dev.path}: {look.reason}")]
+        return [fail(check, found.reason, remedy)]
+    out = [ok(check, f"{dev.path}: {found.reason}")]
     node = devices.node_path(dev, cfg.dev_root)
     if is_kvm(dev):
         out.append(kvm_finding(dev, node, kernel))
@@ -308,7 +330,10 @@ def cgroup_version(mountinfo: str) -> str:
 async def kubelet_findings(cfg: Config, node: Node) -> list[Finding]:
     out = []
     sock = posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)
-    if not os.path.exists(sock):
+    seen = look(sock)
+    if seen is Look.CANNOT_LOOK:
+        out.append(warn("kubelet", f"{sock}: {CANNOT_LOOK}", "run doctor as root"))
+    elif seen is Look.ABSENT:
         out.append(fail("kubelet", f"no {sock}: kubelet is not running", "systemctl start kubelet"))
     elif not socket_answers(sock):
         out.append(

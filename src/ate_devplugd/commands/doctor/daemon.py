@@ -9,12 +9,12 @@ daemon's metrics file says what the daemon knows: read through ``read_metrics``,
 
 from __future__ import annotations
 
-import os
 import posixpath
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import socket_answers
 from ate_devplugd.commands.findings import Finding, fail, ok, warn
 from ate_devplugd.config import Config
@@ -54,7 +54,12 @@ async def findings(cfg: Config, read_metrics: ReadMetrics, timeout: float) -> li
         held = str(exc)
     for dev in cfg.devices:
         check = f"socket {dev.resource}"
-        if not os.path.exists(posixpath.join(cfg.plugin_dir, dev.socket_name)):
+        seen = look(posixpath.join(cfg.plugin_dir, dev.socket_name))
+        if seen is Look.CANNOT_LOOK:
+            message = f"{dev.socket_name} in {cfg.plugin_dir}: cannot look: permission denied; run as root"
+            out.append(warn(check, message, "run doctor as root"))
+            continue
+        if seen is Look.ABSENT:
             out.append(fail(check, f"no {dev.socket_name} in {cfg.plugin_dir}", "systemctl status ate-devplugd"))
             continue
         row = await nodeprobe.probe_socket(cfg.plugin_dir, dev.socket_name, dev.resource, timeout)
