@@ -1,29 +1,26 @@
 """``ate-devplugd doctor``: will a sandbox pod that asks for our resources get a working device here?
 
-One node, one verdict: each check is one ``Finding`` (OK, WARN or FAIL, what was found, and the remedy),
-in the order a device reaches a container: the config, the devices (present with the kernel's
-major:minor, KVM able to create a VM, the host's owner and mode), the daemon (running, its sockets
-answering, registered with kubelet: ``commands/doctor/daemon.py``), kubelet (its socket, its version, the cgroup
-version), the container runtime (whether it applies our CDI names and reads our spec directory:
-``commands/doctor/runtime.py``) and, in DRA mode, the API side (``commands/doctor/dra.py``). This module runs them in
-that order and holds the checks of the host itself: the devices, kubelet and cgroups. A fleet tool
-runs it over ssh and reads ``--json``; the lines, the JSON and the exit status (1 when anything fails)
-are ``commands/findings.py``'s.
+One node, one verdict: each check is one ``Finding`` (OK, WARN or FAIL, what was found, and the remedy), in
+the order a device reaches a container: the config, the devices (present with the kernel's major:minor, KVM
+able to create a VM, the host's owner and mode), the daemon (running, its sockets answering, registered with
+kubelet: ``commands/doctor/daemon.py``), kubelet (its socket, its version, the cgroup version:
+``commands/doctor/kubelet.py``), the container runtime (whether it applies our CDI names and reads our spec
+directory: ``commands/doctor/runtime.py``) and, in DRA mode, the API side (``commands/doctor/dra.py``). This
+module runs them in that order and holds the checks of the host itself: the devices, kubelet and cgroups. A
+fleet tool runs it over ssh and reads ``--json``; the lines, the JSON and the exit status (1 when anything
+fails) are ``commands/findings.py``'s.
 
-Nothing here changes the node: the KVM check creates a VM and closes it at once, the daemon's sockets
-get the calls ``probe`` makes, the runtime gets the questions the daemon asks.
+Nothing here changes the node: the KVM check creates a VM and closes it at once, the daemon's sockets get the
+calls ``probe`` makes, the runtime gets the questions the daemon asks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import grp
 import os
 import posixpath
 import pwd
-import re
-import shutil
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,31 +28,25 @@ from pathlib import Path
 
 from ate_devplugd import config as configmod
 from ate_devplugd.base.look import Look, look
-from ate_devplugd.base.unixsock import socket_answers
 from ate_devplugd.commands import running as running_daemon
 from ate_devplugd.commands.doctor import daemon as doctor_daemon
+from ate_devplugd.commands.doctor import kubelet as doctor_kubelet
 from ate_devplugd.commands.doctor import runtime as doctor_runtime
 from ate_devplugd.commands.doctor import switch as doctor_switch
-from ate_devplugd.commands.findings import Finding, Level, fail, ok, warn
+from ate_devplugd.commands.findings import Finding, fail, ok, warn
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.cri import ask as runtime_ask
 from ate_devplugd.cri import conflicts as cdi_conflicts
-from ate_devplugd.cri import facts as runtime_facts
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
 from ate_devplugd.cri.rules import SpecProblem
 from ate_devplugd.cri.usable import decide
-from ate_devplugd.kubelet.watch import KUBELET_SOCKET
 from ate_devplugd.node import devices
 from ate_devplugd.node.kernel import KernelView
 
-#: Where ``kubelet --version`` is looked for when it is not on PATH.
-KUBELET_PATHS = ("/usr/bin/kubelet", "/usr/local/bin/kubelet", "/opt/bin/kubelet")
 #: How long a call to a socket, kubelet or the API server may take.
 TIMEOUT = 5.0
 MOUNTINFO = "/proc/self/mountinfo"
-#: What doctor says of a path it may not look at (it is not root).
-CANNOT_LOOK = "cannot look: permission denied; run as root"
 
 
 @dataclass
@@ -93,12 +84,12 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
         findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
     endpoint = runtime_ask.discover(cfg.runtime_socket, node.proc_root)
     report = await runtime_ask.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
-    dirs = report.spec_dirs or runtime_facts.CDI_DEFAULT_SPEC_DIRS
+    dirs = cdi_conflicts.dirs_to_read(report.spec_dirs, cfg.cdi_dir)
     problems = cdi_conflicts.find(dirs, cfg.cdi_dir, cfg.devices)  # the same as the cdi specs lines
     for dev in cfg.devices:
         findings += device_findings(cfg, dev, node.kernel, report, problems)
     findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
-    findings += await kubelet_findings(cfg, node)
+    findings += await doctor_kubelet.findings(cfg, node.find_kubelet or doctor_kubelet.find_kubelet, node.mountinfo)
     findings += doctor_runtime.findings(cfg, report, endpoint)
     findings += await doctor_switch.findings(cfg, configmod.running_config_path(), TIMEOUT)
     if cfg.mode == "dra" and cfg.dra is not None:
@@ -257,105 +248,3 @@ def _spec_access(dev: DeviceConfig) -> str:
     uid = "-" if dev.container_uid is None else str(dev.container_uid)
     gid = "-" if dev.container_gid is None else str(dev.container_gid)
     return f"{dev.node_mode:04o} (owned by {uid}:{gid})"
-
-
-# -- kubelet, cgroups ------------------------------------------------------------------------------
-
-
-def find_kubelet(paths: Sequence[str] = KUBELET_PATHS) -> str | None:
-    """kubelet on PATH, else in the usual places."""
-    return shutil.which("kubelet") or next((p for p in paths if os.access(p, os.X_OK)), None)
-
-
-async def kubelet_version(binary: str | None) -> tuple[str, str] | None:
-    """(binary, ``v1.31.2``) from ``kubelet --version``, or None where there is no kubelet binary."""
-    if binary is None:
-        return None
-    proc = await asyncio.create_subprocess_exec(
-        binary, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-    )
-    try:
-        async with asyncio.timeout(TIMEOUT):
-            out, _ = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return binary, ""
-    m = re.search(r"v\d+\.\d+\.\d+\S*", out.decode(errors="replace"))
-    return binary, m[0] if m else ""
-
-
-def kubelet_needs(cfg: Config, version: tuple[int, int, int]) -> tuple[Level, str]:  # noqa: PLR0911 - one per rule
-    """Whether a kubelet this old serves what the config asks (KEP-4009 for device plugins' CDI names;
-    DRAExtendedResource and DRAConsumableCapacity for DRA mode)."""
-    if cfg.mode == "dra":
-        sharing = cfg.dra.sharing if cfg.dra is not None else "units"
-        gates = "DRAExtendedResource" + (" and DRAConsumableCapacity" if sharing == "shared" else "")
-        if version < (1, 34, 0):
-            return Level.FAIL, "DRA mode needs 1.34 or later"
-        if version < (1, 36, 0):
-            return (
-                Level.WARN,
-                f"DRA mode on 1.34-1.35 needs the {gates} feature gate(s) on (apiserver, scheduler, kubelet)",
-            )
-        return Level.OK, "new enough for DRA mode"
-    if not any(dev.cdi for dev in cfg.devices):
-        return Level.OK, "serves the device-plugin API v1beta1"
-    if version < (1, 28, 0):
-        return Level.FAIL, "passes device plugins' CDI names to the runtime only from 1.28"
-    if version < (1, 29, 0):
-        return Level.WARN, "1.28 passes CDI names only with the DevicePluginCDIDevices feature gate on"
-    return Level.OK, "passes CDI names to the runtime"
-
-
-def cgroup_version(mountinfo: str) -> str:
-    """``v2``, ``hybrid`` (v1 controllers beside a v2 tree) or ``v1``, from /sys/fs/cgroup's mounts."""
-    kinds: dict[str, str] = {}
-    try:
-        lines = Path(mountinfo).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return "unknown"
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, fstype = left.split(), right.split()[:1]
-        if len(fields) > 4 and fstype:
-            kinds[fields[4]] = fstype[0]
-    if kinds.get("/sys/fs/cgroup") == "cgroup2":
-        return "v2"
-    if kinds.get("/sys/fs/cgroup/unified") == "cgroup2":
-        return "hybrid"
-    return "v1" if any(v == "cgroup" for v in kinds.values()) else "unknown"
-
-
-async def kubelet_findings(cfg: Config, node: Node) -> list[Finding]:
-    out = []
-    sock = posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)
-    seen = look(sock)
-    if seen is Look.CANNOT_LOOK:
-        out.append(warn("kubelet", f"{sock}: {CANNOT_LOOK}", "run doctor as root"))
-    elif seen is Look.ABSENT:
-        out.append(fail("kubelet", f"no {sock}: kubelet is not running", "systemctl start kubelet"))
-    elif not socket_answers(sock):
-        out.append(
-            fail("kubelet", f"{sock} does not answer (kubelet stopped or restarting)", "systemctl status kubelet")
-        )
-    else:
-        out.append(ok("kubelet", f"{sock} answers"))
-    found = await kubelet_version((node.find_kubelet or find_kubelet)())
-    parsed = runtime_facts.parse_version(found[1]) if found else None
-    if found is None:
-        out.append(warn("kubelet version", "no kubelet binary on this node: version not checked"))
-    elif parsed is None:
-        out.append(warn("kubelet version", f"{found[0]} --version gave no version"))
-    else:
-        level, why = kubelet_needs(cfg, parsed)
-        remedy = "upgrade kubelet" if level is not Level.OK else ""
-        out.append(Finding("kubelet version", level, f"{found[1]}: {why}", remedy))
-    cgroups = cgroup_version(node.mountinfo)
-    explain = {
-        "v2": "the runtime grants the device with an eBPF device program",
-        "hybrid": "v1 device controller beside a v2 tree",
-        "v1": "the runtime grants the device through the devices controller",
-    }.get(cgroups, "not found")
-    out.append(ok("cgroup", f"{cgroups}: {explain}") if cgroups != "unknown" else warn("cgroup", "version unknown"))
-    return out
