@@ -14,6 +14,9 @@
     floors.py echo SOCKET                  a minimal grpc.aio unary echo server on a unix socket
     floors.py register DIR                 a minimal plugin: serve DIR/floor.sock, watch DIR with inotify,
                                            and Register once each time kubelet.sock is created
+    floors.py serve-register DIR           the floor of a start: import the libraries the daemon loads,
+                                           serve DIR/floor.sock (a DevicePlugin with one device), Register
+                                           once with kubelet.sock (there already); stop when stdin closes
 
 Each prints "up" on stdout when it is ready to be measured.
 """
@@ -181,14 +184,13 @@ def _async(func):  # type: ignore[no-untyped-def]
     return handler
 
 
-def register(directory: str) -> int:
+def _plugin_server(directory: str):  # type: ignore[no-untyped-def]
+    """A grpc.aio server with a DevicePlugin of one device on DIR/floor.sock, and its RegisterRequest."""
     import asyncio
-    import os
 
     import grpc
 
     from ate_devplugd._pb import api_pb2, api_pb2_grpc
-    from ate_devplugd.base.inotify import DirEvent, DirWatcher
 
     class Plugin(api_pb2_grpc.DevicePluginServicer):
         async def GetDevicePluginOptions(self, request: object, context: object) -> api_pb2.DevicePluginOptions:
@@ -198,30 +200,47 @@ def register(directory: str) -> int:
             yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID="floor-0", health="Healthy")])
             await asyncio.Event().wait()
 
-    kubelet_sock = os.path.join(directory, "kubelet.sock")
+    server = grpc.aio.server()
+    api_pb2_grpc.add_DevicePluginServicer_to_server(Plugin(), server)
+    server.add_insecure_port("unix://" + directory + "/floor.sock")
     request = api_pb2.RegisterRequest(version="v1beta1", endpoint="floor.sock", resource_name="bench.floor/register")
+    return server, request
+
+
+async def _register_once(kubelet_sock: str, request: object) -> None:
+    """Register, retried at once while kubelet.sock refuses (it exists a moment before kubelet listens)."""
+    import asyncio
+
+    import grpc
+
+    from ate_devplugd._pb import api_pb2_grpc
+
+    for _ in range(1000):
+        try:
+            async with grpc.aio.insecure_channel("unix://" + kubelet_sock) as channel:
+                await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=10)
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.001)
+        else:
+            return
+
+
+def register(directory: str) -> int:
+    import asyncio
+    import os
+
+    from ate_devplugd.base.inotify import DirEvent, DirWatcher
+
+    kubelet_sock = os.path.join(directory, "kubelet.sock")
 
     async def serve() -> None:
-        server = grpc.aio.server()
-        api_pb2_grpc.add_DevicePluginServicer_to_server(Plugin(), server)
-        server.add_insecure_port("unix://" + os.path.join(directory, "floor.sock"))
+        server, request = _plugin_server(directory)
         await server.start()
         pending: set[asyncio.Task[None]] = set()
 
-        async def do_register() -> None:
-            # kubelet.sock exists a moment before kubelet listens: retry at once while it refuses.
-            for _ in range(1000):
-                try:
-                    async with grpc.aio.insecure_channel("unix://" + kubelet_sock) as channel:
-                        await api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=10)
-                except grpc.aio.AioRpcError:
-                    await asyncio.sleep(0.001)
-                else:
-                    return
-
         def on_events(events: list[DirEvent]) -> None:
             if any(ev.kind == "created" and ev.name == "kubelet.sock" for ev in events):
-                task = asyncio.get_running_loop().create_task(do_register())
+                task = asyncio.get_running_loop().create_task(_register_once(kubelet_sock, request))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
 
@@ -230,6 +249,31 @@ def register(directory: str) -> int:
         _up()
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         watch.close()
+        await server.stop(None)
+
+    asyncio.run(serve())
+    return 0
+
+
+def serve_register(directory: str) -> int:
+    """What a start costs at least: the daemon's libraries, one server, one Register (and, on stop, the
+    server stopped: the floor of an upgrade's old process going)."""
+    import asyncio
+    import os
+
+    import google.protobuf
+    import pyudev
+    import systemd
+
+    del google.protobuf, systemd
+    pyudev.Context()
+
+    async def serve() -> None:
+        server, request = _plugin_server(directory)
+        await server.start()
+        await _register_once(os.path.join(directory, "kubelet.sock"), request)
+        _up()
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await server.stop(None)
 
     asyncio.run(serve())
@@ -246,6 +290,7 @@ def main(argv: list[str]) -> int:
         "uevent-wake": uevent_wake,
         "echo": echo,
         "register": register,
+        "serve-register": serve_register,
     }
     if mode not in floors:
         raise SystemExit(f"unknown floor {mode!r}")

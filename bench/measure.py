@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -80,6 +81,7 @@ class Plan:
     vm_rounds: int
     dra_claims: int  # claims prepared and unprepared before DRA mode's RSS after load
     import_reps: int
+    upgrades: int  # old daemon stopped, new one started, each beside the floor's
 
 
 FULL = Plan(
@@ -95,6 +97,7 @@ FULL = Plan(
     vm_rounds=5,
     dra_claims=500,
     import_reps=3,
+    upgrades=15,
 )
 QUICK = Plan(
     starts=3,
@@ -109,6 +112,7 @@ QUICK = Plan(
     vm_rounds=1,
     dra_claims=10,
     import_reps=1,
+    upgrades=2,
 )
 
 
@@ -267,13 +271,33 @@ async def import_ready_once(ws: Workspace, notify: NotifyReceiver) -> float:
     return took
 
 
+async def floor_start(ws: Workspace, kubelet: FakeKubelet) -> tuple[float, asyncio.subprocess.Process]:
+    """The floor of a start: a process that imports the daemon's libraries, serves one grpc.aio server
+    and registers once (floors.py serve-register); the time until kubelet has its Register, and the
+    process (still serving)."""
+    kubelet.drain()
+    t0 = time.monotonic()
+    proc = await spawn_floor("serve-register", str(ws.floor_dir))
+    try:
+        took = (await kubelet.next_event("register", timeout=20)).t - t0
+        await kubelet.next_event("list", timeout=20)
+    except BaseException:
+        await end_floor(proc)
+        raise
+    return took, proc
+
+
 async def starts(
-    ws: Workspace, reps: int, notify: NotifyReceiver, kubelet: FakeKubelet
-) -> tuple[dict[str, object], dict[str, float]]:
-    """Daemon starts, each one after a run of the floor, so that both see the same machine load."""
-    ready, registered, floor = [], [], []
+    ws: Workspace, reps: int, notify: NotifyReceiver, kubelet: FakeKubelet, floor_kubelet: FakeKubelet
+) -> tuple[dict[str, object], dict[str, float], dict[str, float]]:
+    """Daemon starts, each one after a run of each floor (imports then READY=1; imports, a server, one
+    Register), so that all three see the same machine load."""
+    ready, registered, floor, floor_registered = [], [], [], []
     for _ in range(reps):
         floor.append(await import_ready_once(ws, notify))
+        took, floor_proc = await floor_start(ws, floor_kubelet)
+        floor_registered.append(took)
+        await end_floor(floor_proc)
         notify.forget()
         kubelet.drain()
         t0 = time.monotonic()
@@ -284,7 +308,65 @@ async def starts(
             await kubelet.next_event("list", timeout=20)
         finally:
             await proc.stop()
-    return {"ready": summary(ready), "registered": summary(registered)}, summary(floor)
+    return {"ready": summary(ready), "registered": summary(registered)}, summary(floor), summary(floor_registered)
+
+
+async def _handover(
+    kubelet: FakeKubelet,
+    resource: str | None,
+    stop: Callable[[], Awaitable[object]],
+    start: Callable[[], Awaitable[object]],
+    units: int,
+) -> tuple[float, float, float, object]:
+    """An upgrade's handover as systemd makes it: the old process stopped (``stop`` returns once it has
+    exited), then the new one started. From the stop request: -> the old one gone, -> kubelet has the
+    new one's Register, -> its device list with ``units`` healthy (allocatable back)."""
+    kubelet.drain()
+    t0 = time.monotonic()
+    await stop()
+    gone = time.monotonic()
+    new = await start()
+    registered = await kubelet.next_event("register", resource=resource, timeout=20)
+    while True:
+        listed = await kubelet.next_event("list", resource=resource, timeout=20)
+        if listed.healthy == units:
+            break
+    return gone - t0, registered.t - t0, listed.t - t0, new
+
+
+async def upgrades(
+    ws: Workspace, reps: int, notify: NotifyReceiver, kubelet: FakeKubelet, floor_kubelet: FakeKubelet
+) -> tuple[dict[str, object], dict[str, object]]:
+    """The upgrade window, ``reps`` times for the daemon and, in turn, for the floor (serve-register:
+    the libraries, one server, one Register): the old one stopped, the new one registered, its units
+    allocatable again at kubelet."""
+    kubelet.drain()
+    notify.forget()
+    daemon = await spawn_daemon(ws)
+    await kubelet.next_event("list", resource=RESOURCE, timeout=20)
+    _, floor_proc = await floor_start(ws, floor_kubelet)
+    ours: dict[str, list[float]] = {"stopped": [], "registered": [], "allocatable": []}
+    floors: dict[str, list[float]] = {"stopped": [], "registered": [], "allocatable": []}
+
+    async def start_floor() -> asyncio.subprocess.Process:
+        return await spawn_floor("serve-register", str(ws.floor_dir))
+
+    try:
+        for _ in range(reps):
+            figures = await _handover(floor_kubelet, None, functools.partial(end_floor, floor_proc), start_floor, 1)
+            floor_proc = figures[3]  # type: ignore[assignment]
+            for key, value in zip(floors, figures[:3], strict=False):
+                floors[key].append(value)
+            old = daemon
+            figures = await _handover(kubelet, RESOURCE, old.stop, lambda: spawn_daemon(ws), COUNT)
+            daemon = figures[3]  # type: ignore[assignment]
+            check_exit(old)
+            for key, value in zip(ours, figures[:3], strict=False):
+                ours[key].append(value)
+    finally:
+        await daemon.stop()
+        await end_floor(floor_proc)
+    return {k: summary(v) for k, v in ours.items()}, {k: summary(v) for k, v in floors.items()}
 
 
 async def _restart_once(kubelet: FakeKubelet, resource: str | None) -> tuple[float, float]:
@@ -839,8 +921,17 @@ async def measure(plan: Plan) -> dict[str, object]:
         results["list_and_watch"] = list_and_watch(plan)
 
         await kubelet.start()
-        progress(f"{plan.starts} daemon starts")
-        results["start"], floors["imports_ready"] = await starts(ws, plan.starts, notify, kubelet)
+        floor_kubelet = FakeKubelet(ws.floor_dir, wipe=False, lean=True, jitter=0.0)
+        await floor_kubelet.start()
+        try:
+            progress(f"{plan.starts} daemon starts")
+            results["start"], floors["imports_ready"], floors["start_registered"] = await starts(
+                ws, plan.starts, notify, kubelet, floor_kubelet
+            )
+            progress(f"{plan.upgrades} upgrades (old stopped, new started)")
+            results["upgrade"], floors["upgrade"] = await upgrades(ws, plan.upgrades, notify, kubelet, floor_kubelet)
+        finally:
+            await floor_kubelet.stop()
 
         progress("one daemon under load")
         kubelet.drain()

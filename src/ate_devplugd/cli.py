@@ -69,7 +69,24 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         return _dra_manifests(
             cfg, with_access=not args.kubelet_credentials, stage=args.stage, refuse_multi=args.refuse_multi
         )
-    return _run(cfg, args, early)
+    status = _run(cfg, args, early)
+    if argv is None:  # the process itself (the console script, python -m), not a caller in Python
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    """End the process once the daemon has stopped, without the interpreter's teardown.
+
+    Every socket, the lock and the notify socket are already closed; what is left is freeing each module
+    and object one by one (30-50 ms), and an upgrade's new daemon starts only once this one has exited:
+    kubelet has no units of ours meanwhile. Logs and stdio are flushed first.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
 
 
 def _check_config(cfg: configmod.Config) -> int:

@@ -7,6 +7,9 @@ cost of a large ``count``, the default device served when no table is given).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.support import NotifyReceiver, daemon, run_cli, subprocess_env
@@ -210,3 +213,53 @@ async def test_a_dra_table_in_device_plugin_mode_is_a_warning(tmp_path: Path) ->
             assert len(warned) == 1 and warned[0].startswith("info: config warning: "), proc.log()
     finally:
         await notify.close()
+
+
+# -- what each command loads -------------------------------------------------------------------------
+#: ``run`` until READY=1, then the modules loaded so far on stdout (and the process ended there).
+RUN_UNTIL_READY = """
+import json, os, sys
+from ate_devplugd import cli
+from ate_devplugd.signals import notify
+
+def ready(self, status):
+    print(json.dumps(sorted(sys.modules)), flush=True)
+    os._exit(0)
+
+notify.Notifier.ready = ready
+cli.main(["run", "--config", sys.argv[1], "--log-target", "console"])
+sys.exit("run returned before READY")
+"""
+#: DRA mode's modules and libraries; with CDI off, the runtime check's; with metrics off, the text format.
+NOT_IN_DEVICE_PLUGIN_RUN = ("ate_devplugd.dra", "ate_devplugd.config.dra", "aiohttp", "yaml")
+NOT_WHILE_OFF = (
+    "ate_devplugd.cri.ask",
+    "ate_devplugd.cri.conflicts",
+    "ate_devplugd._pb.cri",
+    "ate_devplugd.signals.promtext",
+)
+
+
+def test_device_plugin_run_loads_nothing_of_dra_mode_nor_of_what_is_off(tmp_path: Path) -> None:
+    """Device-plugin mode's ``run`` (CDI and metrics off) reaches READY without DRA mode's modules,
+    aiohttp or PyYAML, and without the runtime check's modules or the metrics' text format; with both on,
+    still nothing of DRA mode before READY."""
+    for name, text in (("off", KVM), ("on", KVM + "cdi = true\n")):
+        cfg = config_file(tmp_path, text, f"{name}.toml")
+        if name == "on":
+            cfg.write_text(cfg.read_text().replace('metrics_file = ""', f'metrics_file = "{tmp_path / "m.prom"}"'))
+            cfg.write_text(f'cdi_dir = "{tmp_path / "cdi"}"\n' + cfg.read_text())
+        done = subprocess.run(
+            [sys.executable, "-c", RUN_UNTIL_READY, str(cfg)],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        modules = json.loads(done.stdout)
+        assert "ate_devplugd.daemon" in modules and "grpc" in modules, modules
+        unwanted = NOT_IN_DEVICE_PLUGIN_RUN + (NOT_WHILE_OFF if name == "off" else ())
+        loaded = [m for m in modules if any(m == u or m.startswith(u + ".") for u in unwanted)]
+        assert loaded == [], (name, loaded)

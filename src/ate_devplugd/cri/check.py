@@ -15,19 +15,19 @@ import functools
 import logging
 import posixpath
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ate_devplugd.base.backoff import Backoff
 from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.config.device import DeviceConfig
-from ate_devplugd.cri import conflicts as cdi_conflicts
-from ate_devplugd.cri.ask import absent_report, ask, discover
-from ate_devplugd.cri.conflicts import SpecCheck
-from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS, Endpoint
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport, consequence
-from ate_devplugd.cri.rules import SpecProblem
+
+if TYPE_CHECKING:
+    from ate_devplugd.cri.conflicts import SpecCheck
+    from ate_devplugd.cri.endpoint import Endpoint
+    from ate_devplugd.cri.rules import SpecProblem
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,11 @@ class RuntimeCheck:
     def __init__(
         self,
         on_report: Callable[[RuntimeReport | None], None],
-        asker: Callable[[str, str], Any] = ask,
+        asker: Callable[[str, str], Any] | None = None,
         proc_root: str = "/proc",
     ) -> None:
         self._on_report = on_report
+        #: ``cri.ask.ask`` unless a test gives its own (None: imported on the first question).
         self._ask = asker
         self._task: asyncio.Task[None] | None = None
         self._report: RuntimeReport | None = None
@@ -82,7 +83,8 @@ class RuntimeCheck:
         self._retry_until: float | None = None
         self._backoff = Backoff(RETRY_FIRST, RETRY_CAP)
         self._devices: tuple[DeviceConfig, ...] = ()
-        self._specs = SpecCheck(self._specs_changed)
+        #: Made at the first start that is enabled, with the spec check's modules (``cri.conflicts``, ``cri.rules``).
+        self._specs: SpecCheck | None = None
         self._proc_root = proc_root
         self._endpoint: Endpoint | None = None
 
@@ -105,11 +107,15 @@ class RuntimeCheck:
     def spec_problems(self) -> tuple[SpecProblem, ...]:
         """Other specs that define our names, and specs of ours that do not load, in the runtime's spec
         directories (empty while the check is off)."""
-        return self._specs.problems
+        return () if self._specs is None else self._specs.problems
 
     def status_parts(self) -> list[str]:
         """What STATUS says of the runtime: its verdict once it answered, then any problem with the specs."""
         parts = [] if self._report is None else [f"cdi: {self._report.describe()}"]
+        if self._specs is None:
+            return parts
+        from ate_devplugd.cri import conflicts as cdi_conflicts  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
+
         specs = cdi_conflicts.status(self._specs.problems)
         return [*parts, specs] if specs else parts
 
@@ -122,10 +128,17 @@ class RuntimeCheck:
         self._retry_until = None
         if not enabled:
             self._unwatch()
-            self._specs.close()
+            if self._specs is not None:
+                self._specs.close()
             self._logged = None
             self._set(None)
             return
+        from ate_devplugd.cri.ask import discover  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
+        from ate_devplugd.cri.conflicts import SpecCheck  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
+        from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
+
+        if self._specs is None:
+            self._specs = SpecCheck(self._specs_changed)
         endpoint = discover(socket, self._proc_root)
         self._say_endpoint(endpoint)
         self._endpoint = endpoint
@@ -139,7 +152,8 @@ class RuntimeCheck:
         task = self._task
         self._cancel()
         self._unwatch()
-        self._specs.close()
+        if self._specs is not None:
+            self._specs.close()
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
@@ -191,6 +205,8 @@ class RuntimeCheck:
         report = self._report
         if report is not None and report.socket and look(report.socket) is Look.ABSENT:
             # The runtime the verdict came from is gone: it applies nothing now, whatever it said.
+            from ate_devplugd.cri.ask import absent_report  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
+
             self._cancel()
             gone = absent_report(self._socket) or RuntimeReport(
                 CdiVerdict.UNKNOWN, f"no runtime socket at {report.socket}", socket=report.socket
@@ -209,10 +225,17 @@ class RuntimeCheck:
 
     # -- the verdict -------------------------------------------------------------------------------
     async def _run(self, socket: str, cdi_dir: str) -> None:
+        if self._ask is None:
+            from ate_devplugd.cri.ask import ask  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
+
+            self._ask = ask
         report: RuntimeReport = await self._ask(socket, cdi_dir)
         self._log(report)
         self._set(report)
-        self._specs.start(cdi_conflicts.dirs_to_read(report.spec_dirs, cdi_dir), cdi_dir, self._devices)
+        from ate_devplugd.cri.conflicts import dirs_to_read  # noqa: PLC0415 - loaded by start() already
+
+        assert self._specs is not None  # made by start()
+        self._specs.start(dirs_to_read(report.spec_dirs, cdi_dir), cdi_dir, self._devices)
         self._retry_if_unanswered(report)
 
     def _retry_if_unanswered(self, report: RuntimeReport) -> None:
@@ -238,6 +261,8 @@ class RuntimeCheck:
         before = self._endpoint
         if before is not None and (before.socket, before.source) == (endpoint.socket, endpoint.source):
             return
+        from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS  # noqa: PLC0415 - loaded by start() already
+
         where = endpoint.socket or "the usual sockets " + ", ".join(DEFAULT_RUNTIME_SOCKETS)
         EventLog(log).info(EVENT_ENDPOINT, "cdi: asking %s (%s)", where, endpoint.why)
 

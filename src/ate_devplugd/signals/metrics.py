@@ -23,13 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ate_devplugd import __version__
 from ate_devplugd.cri.facts import CdiVerdict
 from ate_devplugd.cri.usable import VERDICTS
 from ate_devplugd.node.devices import Withheld, Withholding
-from ate_devplugd.signals.promtext import Family, exposition
+
+if TYPE_CHECKING:
+    from ate_devplugd.signals.promtext import Family
 
 PREFIX = "ate_devplugd_"
 
@@ -247,9 +249,13 @@ class Metrics:
     # -- exposition ---------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The metrics in the Prometheus text format (version 0.0.4), as node_exporter reads them."""
+        from ate_devplugd.signals.promtext import exposition  # noqa: PLC0415 - the text format only once the file is written (after READY; never with metrics off)
+
         return exposition(self.families())
 
     def families(self) -> Iterator[Family]:
+        from ate_devplugd.signals.promtext import Family  # noqa: PLC0415 - the text format only once the file is written (after READY; never with metrics off)
+
         res = self._resources
         info = Family.gauge(PREFIX + "build_info", "Always 1; the daemon's version.", "version")
         info.add_metric([self.version], 1)
