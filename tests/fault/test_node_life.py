@@ -44,6 +44,7 @@ import pytest
 from ate_devplugd import config as configmod
 from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.config.dra import DraConfig, Layout
+from ate_devplugd.node.cdi import spec_path
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime
 from tests.fakes.dra_kubelet import FakeDraKubelet
@@ -402,6 +403,8 @@ class Node:
             out += [("runtime-restart", self.runtime_restart), ("runtime-stop", self.runtime_stop)]
         out.append(("device-vanish", self.device_vanish) if t.present else ("device-return", self.device_return))
         out.append(("spec-conflict", self.spec_conflict))
+        if t.present:  # our spec is on disk while the device is
+            out.append(("spec-deleted", self.spec_deleted))
         return out
 
     @contextlib.asynccontextmanager
@@ -569,6 +572,27 @@ class Node:
             other.write_text(json.dumps({"cdiVersion": "0.6.0", "kind": RESOURCE, "devices": [device]}))
         self.truth.conflict = not self.truth.conflict
         return "spec-conflict (added)" if self.truth.conflict else "spec-conflict (removed)"
+
+    async def spec_deleted(self) -> str:
+        """Our own spec removed (an operator, a cleanup tool): written back at once, nothing withheld, so
+        every signal still says what it said (the agreement after this event checks that)."""
+        cfg = self.config()
+        path = Path(spec_path(cfg.cdi_dir, cfg.devices[0]))
+        back = asyncio.Event()
+        watch = DirWatcher(str(path.parent), lambda _: back.set() if path.exists() else None)
+        watch.start()
+        try:
+            path.unlink()
+            began = time.monotonic()
+            async with asyncio.timeout(BOUND):
+                while not path.exists():
+                    await back.wait()
+                    back.clear()
+        except TimeoutError:
+            raise AssertionError(f"node-life: our spec {path} was not written back within {BOUND:g} s") from None
+        finally:
+            watch.close()
+        return f"spec-deleted (written back in {1000 * (time.monotonic() - began):.0f} ms)"
 
     async def device_vanish(self) -> str:
         (self.dev_root / "dev" / "kvm").unlink()
