@@ -152,14 +152,16 @@ class TestKubeletRestart:
                 last = max(i for i, e in enumerate(kubelet.history) if e.kind == "restart")
                 assert [e.kind for e in kubelet.history[last:]].count("register") == 1
                 # One attempt cancelled per kubelet, each counted afresh: the count never runs on across
-                # kubelets. One more may count toward a kubelet: its kubelet.sock bound a moment before it
-                # listens refuses it, or a retry looked at one kubelet.sock and connected (by path, a step
-                # later) to the next kubelet's.
+                # kubelets: twelve lives fail at least twelve attempts, and a count that ran on would reach
+                # the tenth (a warning) among them. How many count toward one kubelet is the interleaving's:
+                # its kubelet.sock, bound a while before it listens, refuses a retry or two (seen: three
+                # toward one kubelet on a loaded machine), or a retry looked at one kubelet.sock and
+                # connected to the next kubelet's.
                 attempts = [
                     int(r.getMessage().split("(attempt ")[1].split(")")[0])
                     for r in running.events.named("register-failed")
                 ]
-                assert len(attempts) >= lives and max(attempts) <= 2, running.events.text()
+                assert len(attempts) >= lives and max(attempts) < 10, running.events.text()
                 assert not [r for r in running.events.records if r.levelno >= logging.WARNING], running.events.text()
                 no_double_registration(kubelet)
         finally:
