@@ -26,6 +26,7 @@ import contextlib
 import random
 import time
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -69,9 +70,11 @@ class NodeStatusReporter:
         )
         self._api.set_node_status({self._resource: str(allocatable)}, {self._resource: str(capacity)})
 
-    def start(self) -> None:
+    def start(self, phase: float | None = None) -> None:
+        """Report every ``period``, the first one ``phase`` from now (the constructor's phase if None)."""
+
         async def run() -> None:
-            await asyncio.sleep(self._phase)
+            await asyncio.sleep(self._phase if phase is None else phase)
             while True:
                 self.report()
                 await asyncio.sleep(self.period)  # kubelet's own timer, nodeStatusUpdateFrequency
@@ -83,6 +86,20 @@ class NodeStatusReporter:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
+
+    @contextlib.asynccontextmanager
+    async def just_reported(self) -> AsyncIterator[None]:
+        """Run the body right after a node-status update, the next one a full period after it ends: the
+        Node shows what it showed before the body for a whole period. With time scaled down, a daemon's
+        stop or start (real milliseconds, not scaled) would otherwise span scaled seconds of lag; on a
+        real node it is far shorter than a period, so a stop always lands inside the lag."""
+        await self.stop()
+        self.report()
+        try:
+            yield
+        finally:
+            self.start(phase=self.period)
 
 
 class Scheduler:

@@ -166,8 +166,9 @@ async def node(
 
         async def move(target: str, readme: bool) -> None:
             began = time.monotonic()
-            if readme:  # README's recipe: stop, edit, start
-                await systemd.stop()
+            if readme:  # README's recipe: stop, edit, start; the stop inside the Node's lag, as on a node
+                async with reporter.just_reported():
+                    await systemd.stop()
                 switch_files.write_mode(files, target)
                 await systemd.start()
             else:
