@@ -35,8 +35,9 @@ def _config_error(exc: ConfigError) -> int:
 
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
     early = _EarlySignals()
-    parser = cli_args.build_parser()
-    args = parser.parse_args(cli_args.command_first(parser, list(sys.argv[1:] if argv is None else argv)))
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = cli_args.parser_for(given)
+    args = parser.parse_args(cli_args.command_first(parser, given))
     if args.command != "run":
         early.restore()
 

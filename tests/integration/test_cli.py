@@ -230,14 +230,10 @@ notify.Notifier.ready = ready
 cli.main(["run", "--config", sys.argv[1], "--log-target", "console"])
 sys.exit("run returned before READY")
 """
-#: DRA mode's modules and libraries; with CDI off, the runtime check's; with metrics off, the text format.
+#: DRA mode's modules and libraries; with CDI off, nothing of the container runtime (``cri/``, its
+#: generated code); with metrics off, the text format.
 NOT_IN_DEVICE_PLUGIN_RUN = ("ate_devplugd.dra", "ate_devplugd.config.dra", "aiohttp", "yaml")
-NOT_WHILE_OFF = (
-    "ate_devplugd.cri.ask",
-    "ate_devplugd.cri.conflicts",
-    "ate_devplugd._pb.cri",
-    "ate_devplugd.signals.promtext",
-)
+NOT_WHILE_OFF = ("ate_devplugd.cri", "ate_devplugd._pb.cri", "ate_devplugd.signals.promtext")
 
 
 def test_device_plugin_run_loads_nothing_of_dra_mode_nor_of_what_is_off(tmp_path: Path) -> None:

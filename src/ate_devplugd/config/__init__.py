@@ -88,6 +88,12 @@ class Config:
     #: No ``[[device]]`` table was read: ``devices`` are the defaults (``check-config`` says so).
     devices_defaulted: bool = field(default=False, compare=False)
 
+    @property
+    def checks_runtime(self) -> bool:
+        """Whether the container runtime is asked about CDI: a resource uses CDI, or DRA mode (CDI is its
+        only path)."""
+        return self.mode == "dra" or any(dev.cdi for dev in self.devices)
+
     def with_overrides(
         self, *, plugin_dir: str | None = None, dev_root: str | None = None, log_level: str | None = None
     ) -> Config:

@@ -199,11 +199,6 @@ def _crio(
     return report(CdiVerdict.UNKNOWN, f"it does not report whether it reads {cdi_dir} (before 1.33)")
 
 
-def wanted(devices_use_cdi: bool, mode: str) -> bool:
-    """The check runs when a resource uses CDI, and always in DRA mode (CDI is its only path)."""
-    return devices_use_cdi or mode == "dra"
-
-
 def consequence(verdict: CdiVerdict, mode: str = "device-plugin") -> str:
     """What a verdict means for a sandbox pod (in DRA mode CDI is the only path to the device)."""
     if verdict is CdiVerdict.NOT_APPLIED and mode == "dra":

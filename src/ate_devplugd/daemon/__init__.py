@@ -20,14 +20,12 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ate_devplugd.base.grpc_compat import grpc_runtime
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff
-from ate_devplugd.cri.check import RuntimeCheck
-from ate_devplugd.cri.facts import RuntimeReport, wanted
-from ate_devplugd.cri.usable import Usability
 from ate_devplugd.daemon import apply
 from ate_devplugd.daemon.apply import start_failure
 from ate_devplugd.daemon.modes import Modes
@@ -42,6 +40,11 @@ from ate_devplugd.reload.rundir import RuntimeFiles
 from ate_devplugd.signals.metrics import Metrics
 from ate_devplugd.signals.notify import Notifier, watchdog_interval
 from ate_devplugd.signals.textfile import TextfileWriter
+
+if TYPE_CHECKING:
+    from ate_devplugd.cri.check import RuntimeCheck
+    from ate_devplugd.cri.facts import RuntimeReport
+    from ate_devplugd.cri.usable import Usability
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +75,10 @@ class Daemon:
         self._metrics = Metrics()
         self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
         self._watch = KubeletWatch(config.plugin_dir, self._kubelet_started)
-        self._runtime = RuntimeCheck(self._runtime_report)
-        self._usable = Usability(self._looked, self._metrics.set_runtime_cdi)
+        #: The container runtime's check and what it makes usable: made once a resource uses CDI (or in DRA
+        #: mode), so a node without CDI loads none of the CRI modules (``_ask_runtime``).
+        self._runtime: RuntimeCheck | None = None
+        self._usable: Usability | None = None
         self._reloads = ReloadReport(self._metrics, self._files)
         self._devices: DeviceWatch | None = None
         #: Device-plugin mode's sessions or DRA mode's driver, each with the other's part a move needs.
@@ -127,8 +132,9 @@ class Daemon:
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-            await self._runtime.close()
-            self._usable.close()
+            if self._runtime is not None and self._usable is not None:
+                await self._runtime.close()
+                self._usable.close()
             if self._mode is not None:
                 await self._mode.stop()
             self._metrics_file.close()
@@ -198,7 +204,8 @@ class Daemon:
     def _looked(self, resource: Resource, event: str | None) -> None:
         """After each look at a device (its CDI spec written) and each change of its withholding: whether
         it is usable (``cri.usable``), the mode (and the metrics it reports), and STATUS when it changed."""
-        self._usable.update(self._devices, self.config, self._runtime.report, self._runtime.spec_problems)
+        if self._runtime is not None and self._usable is not None:
+            self._usable.update(self._devices, self.config, self._runtime.report, self._runtime.spec_problems)
         if self._mode is not None:
             self._mode.looked(resource)
         if event is not None:
@@ -212,12 +219,24 @@ class Daemon:
         """Ask the container runtime whether it applies our CDI names (at start, on reload, when kubelet
         starts; the check follows the runtime's own restarts by itself). It never delays anything."""
         cfg = self.config
-        enabled = wanted(any(dev.cdi for dev in cfg.devices), cfg.mode)
+        if self._runtime is None:
+            if not cfg.checks_runtime:
+                return
+            from ate_devplugd.cri.check import RuntimeCheck  # noqa: PLC0415 - the CRI modules only once CDI is used
+            from ate_devplugd.cri.usable import Usability  # noqa: PLC0415
+
+            self._runtime = RuntimeCheck(self._runtime_report)
+            self._usable = Usability(self._looked, self._metrics.set_runtime_cdi)
         self._runtime.start(
-            socket=cfg.runtime_socket, cdi_dir=cfg.cdi_dir, mode=cfg.mode, enabled=enabled, devices=cfg.devices
+            socket=cfg.runtime_socket,
+            cdi_dir=cfg.cdi_dir,
+            mode=cfg.mode,
+            enabled=cfg.checks_runtime,
+            devices=cfg.devices,
         )
 
     def _runtime_report(self, report: RuntimeReport | None) -> None:
+        assert self._runtime is not None and self._usable is not None
         self._usable.update(self._devices, self.config, report, self._runtime.spec_problems)
         self._update_status()
 
@@ -247,7 +266,9 @@ class Daemon:
     def status_line(self) -> str:
         """STATUS=: one part per resource in device-plugin mode, the driver's state in DRA mode; then what
         the runtime does with CDI names, once it has answered."""
-        parts = [self._mode.status_line() if self._mode is not None else "starting", *self._runtime.status_parts()]
+        parts = [self._mode.status_line() if self._mode is not None else "starting"]
+        if self._runtime is not None:
+            parts += self._runtime.status_parts()
         return " | ".join(parts if self._reloads.note is None else [*parts, self._reloads.note])
 
     def _update_status(self) -> None:

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ate_devplugd import __version__
-from ate_devplugd.cri.facts import CdiVerdict
-from ate_devplugd.cri.usable import VERDICTS
 from ate_devplugd.node.devices import Withheld, Withholding
 
 if TYPE_CHECKING:
+    from ate_devplugd.cri.facts import CdiVerdict
     from ate_devplugd.signals.promtext import Family
 
 PREFIX = "ate_devplugd_"
@@ -241,7 +240,7 @@ class Metrics:
 
     def set_runtime_cdi(self, verdict: CdiVerdict | str | None, runtime: str = "") -> None:
         """What becomes of our CDI names (one of ``cri.usable.VERDICTS``; None: not checked, no series)."""
-        new = None if verdict is None else (verdict.value if isinstance(verdict, CdiVerdict) else verdict, runtime)
+        new = None if verdict is None else (verdict if isinstance(verdict, str) else verdict.value, runtime)
         if new != self._runtime_cdi:
             self._runtime_cdi = new
             self._changed(prompt=True)
@@ -300,6 +299,8 @@ class Metrics:
             family.add_metric([], count)
             yield family
         if self._runtime_cdi is not None:
+            from ate_devplugd.cri.usable import VERDICTS  # noqa: PLC0415 - the CRI modules only where a resource has CDI
+
             current, runtime = self._runtime_cdi
             cdi = Family.gauge(
                 PREFIX + "runtime_cdi",

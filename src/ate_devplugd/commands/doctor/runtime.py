@@ -29,7 +29,7 @@ def findings(cfg: Config, report: RuntimeReport, endpoint: Endpoint) -> list[Fin
         runtime = warn("runtime", f"no answer ({report.reason}; {why})", remedy)
     else:
         runtime = ok("runtime", f"{report.runtime} at {report.socket} ({why})")
-    if not runtime_facts.wanted(any(dev.cdi for dev in cfg.devices), cfg.mode):
+    if not cfg.checks_runtime:
         return [runtime, ok("runtime cdi", "no resource uses CDI")]
     return [runtime, verdict_finding(cfg, report), *spec_findings(cfg, report)]
 
