@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ate_devplugd import config as configmod
 from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
@@ -484,16 +486,30 @@ class TestDevicePluginModeWithDraTable:
                 finally:
                     await kubelet.stop()
 
-    async def test_without_kubelets_plugin_directories_it_runs_on(self, fake_root: Path, kernel: FakeKernel) -> None:
+    @pytest.mark.parametrize("checkpoint", ["names-driver", "other-driver", "none"])
+    async def test_without_kubelets_plugin_directories_it_runs_on(
+        self, fake_root: Path, kernel: FakeKernel, checkpoint: str
+    ) -> None:
         """Where kubelet's plugin directories cannot be made (the unit without dra-mode.conf), the
-        unprepare-only driver is left out with one warning and device-plugin mode serves as before."""
+        unprepare-only driver is left out and device-plugin mode serves as before: one warning while
+        kubelet's checkpoint records a claim of ours (pods left that cannot be deleted), one info line when
+        it records none (a node moved back with no DRA pod left, at each start)."""
         async with short_dir() as base:
-            (base / "file").write_text("")
-            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "none"), kubelet_dir=str(base / "file"))
+            kubelet_dir = base / "kubelet"
+            kubelet_dir.mkdir()
+            (kubelet_dir / "plugins").write_text("")  # where the driver's directory would be made
+            state = {"names-driver": DRIVER, "other-driver": "gpu.example.com", "none": ""}[checkpoint]
+            if state:
+                body = json.dumps({"ClaimInfoStateList": [{"DriverState": {state: {}}}]})
+                (kubelet_dir / "dra_manager_state").write_text(json.dumps({"Data": body, "Checksum": 1}))
+            dra = DraConfig(node_name=NODE, kubeconfig=str(base / "none"), kubelet_dir=str(kubelet_dir))
             plugin_dir = base / "device-plugins"
             plugin_dir.mkdir()
             config = dataclasses.replace(kvm_config(plugin_dir, fake_root, cdi=True), dra=dra)
             async with daemon_in_process(config, kernel) as running:
-                await running.events.wait_for("dra-unprepare-unavailable")
+                record = await running.events.wait_for("dra-unprepare-unavailable")
                 await running.events.wait_for("ready")
                 assert "dra:" not in running.daemon.status_line()
+                owed = checkpoint == "names-driver"
+                assert record.levelno == (logging.WARNING if owed else logging.INFO), record.getMessage()
+                assert ("records a claim of" if owed else "none is owed") in record.getMessage()

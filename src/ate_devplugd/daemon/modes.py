@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config import Config
 from ate_devplugd.deviceplugin.plugins import DevicePlugins
+from ate_devplugd.kubelet.dra_state import CHECKPOINT, Claims, claims_of
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.devices import DeviceRegistry, Resource
 from ate_devplugd.signals.metrics import Metrics
@@ -44,6 +45,7 @@ class Modes:
         on_state: Callable[[], None],
     ) -> None:
         self.primary: DevicePlugins | DraMode
+        self._dra = config.dra
         self.companion: DevicePlugins | DraMode | None = None
         if config.dra is not None:
             from ate_devplugd.dra.mode import DraMode  # noqa: PLC0415 - aiohttp and PyYAML only with a [dra] table
@@ -69,12 +71,33 @@ class Modes:
             except OSError as exc:  # kubelet's plugin directories, writable only with dra-mode.conf
                 await companion.stop()
                 self.companion = None
-                EventLog(log).warning(
-                    "dra-unprepare-unavailable",
-                    "cannot serve DRA unprepare for claims left on this node: %s; DRA pods left here cannot "
-                    "be deleted until a DRA driver registers (keep dra-mode.conf linked after a switch)",
-                    exc,
-                )
+                self._unprepare_unavailable(exc)
+
+    def _unprepare_unavailable(self, exc: OSError) -> None:
+        """No unprepare-only driver: a warning while kubelet's checkpoint may hold a claim of ours (DRA pods
+        left here cannot be deleted), else one info line (``switch-mode`` removed the drop-in with none left)."""
+        assert self._dra is not None
+        claims = claims_of(self._dra.kubelet_dir, self._dra.driver)
+        events = EventLog(log)
+        if claims is Claims.NONE:
+            events.info(
+                "dra-unprepare-unavailable",
+                "no DRA unprepare served (%s): kubelet's %s records no claim of %s, none is owed",
+                exc,
+                CHECKPOINT,
+                self._dra.driver,
+            )
+            return
+        held = "records a claim of" if claims is Claims.RECORDED else "cannot be read to tell the claims of"
+        events.warning(
+            "dra-unprepare-unavailable",
+            "cannot serve DRA unprepare for claims left on this node: %s; kubelet's %s %s %s, and DRA pods left "
+            "here cannot be deleted until a DRA driver registers (keep dra-mode.conf linked after a switch)",
+            exc,
+            CHECKPOINT,
+            held,
+            self._dra.driver,
+        )
 
     async def stop(self, names: list[str] | tuple[str, ...] | None = None) -> None:
         await self.primary.stop(names)
