@@ -78,6 +78,25 @@ def _lib() -> _Libc:
     return _libc
 
 
+def watch_dir(
+    path: str,
+    callback: Callable[[list[DirEvent]], None],
+    unwatched: Callable[[OSError], None],
+    *,
+    contents: bool = False,
+) -> DirWatcher | None:
+    """A started ``DirWatcher`` on ``path``; None when inotify cannot watch it (its limits, a path that is
+    no directory), after ``unwatched(error)`` has said what is then missed."""
+    watcher = DirWatcher(path, callback, contents=contents)
+    try:
+        watcher.start()
+    except OSError as exc:
+        watcher.close()
+        unwatched(exc)
+        return None
+    return watcher
+
+
 class DirWatcher:
     """Watch ``path`` for entries created and removed (and written, with ``contents``); call ``callback``
     with each batch of events."""

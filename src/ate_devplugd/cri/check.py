@@ -18,14 +18,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ate_devplugd.base.backoff import Backoff
-from ate_devplugd.base.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.inotify import DirEvent, DirWatcher, watch_dir
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.config.device import DeviceConfig
+from ate_devplugd.cri.ask import absent_report, ask, discover
+from ate_devplugd.cri.conflicts import SpecCheck, dirs_to_read
+from ate_devplugd.cri.conflicts import status as specs_status
+from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport, consequence
 
 if TYPE_CHECKING:
-    from ate_devplugd.cri.conflicts import SpecCheck
     from ate_devplugd.cri.endpoint import Endpoint
     from ate_devplugd.cri.rules import SpecProblem
 
@@ -68,8 +71,8 @@ class RuntimeCheck:
         proc_root: str = "/proc",
     ) -> None:
         self._on_report = on_report
-        #: ``cri.ask.ask`` unless a test gives its own (None: imported on the first question).
-        self._ask = asker
+        #: ``cri.ask.ask`` unless a test gives its own.
+        self._ask = asker or ask
         self._task: asyncio.Task[None] | None = None
         self._report: RuntimeReport | None = None
         self._logged: tuple[CdiVerdict, str, str] | None = None
@@ -114,9 +117,8 @@ class RuntimeCheck:
         parts = [] if self._report is None else [f"cdi: {self._report.describe()}"]
         if self._specs is None:
             return parts
-        from ate_devplugd.cri import conflicts as cdi_conflicts  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
 
-        specs = cdi_conflicts.status(self._specs.problems)
+        specs = specs_status(self._specs.problems)
         return [*parts, specs] if specs else parts
 
     def start(
@@ -133,9 +135,6 @@ class RuntimeCheck:
             self._logged = None
             self._set(None)
             return
-        from ate_devplugd.cri.ask import discover  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
-        from ate_devplugd.cri.conflicts import SpecCheck  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
-        from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
 
         if self._specs is None:
             self._specs = SpecCheck(self._specs_changed)
@@ -177,20 +176,13 @@ class RuntimeCheck:
             directory, name = posixpath.split(posixpath.normpath(path))
             names.setdefault(directory, set()).add(name)
         for directory, wanted_names in names.items():
-            watcher = DirWatcher(directory, functools.partial(self._on_dir_events, frozenset(wanted_names)))
-            try:
-                watcher.start()
-            except OSError as exc:
-                watcher.close()
-                EventLog(log).warning(
-                    EVENT_UNWATCHED,
-                    "cdi: cannot watch %s for the runtime's socket (%s); the runtime is asked again only on "
-                    "reload and when kubelet starts",
-                    directory,
-                    exc.strerror or exc,
-                )
-                continue
-            self._watchers.append(watcher)
+            watcher = watch_dir(
+                directory,
+                functools.partial(self._on_dir_events, frozenset(wanted_names)),
+                functools.partial(_unwatched, directory),
+            )
+            if watcher is not None:
+                self._watchers.append(watcher)
         self._watched = sockets
 
     def _unwatch(self) -> None:
@@ -205,7 +197,6 @@ class RuntimeCheck:
         report = self._report
         if report is not None and report.socket and look(report.socket) is Look.ABSENT:
             # The runtime the verdict came from is gone: it applies nothing now, whatever it said.
-            from ate_devplugd.cri.ask import absent_report  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
 
             self._cancel()
             gone = absent_report(self._socket) or RuntimeReport(
@@ -225,14 +216,9 @@ class RuntimeCheck:
 
     # -- the verdict -------------------------------------------------------------------------------
     async def _run(self, socket: str, cdi_dir: str) -> None:
-        if self._ask is None:
-            from ate_devplugd.cri.ask import ask  # noqa: PLC0415 - the CRI modules only once a resource has CDI (after READY)
-
-            self._ask = ask
         report: RuntimeReport = await self._ask(socket, cdi_dir)
         self._log(report)
         self._set(report)
-        from ate_devplugd.cri.conflicts import dirs_to_read  # noqa: PLC0415 - loaded by start() already
 
         assert self._specs is not None  # made by start()
         self._specs.start(dirs_to_read(report.spec_dirs, cdi_dir), cdi_dir, self._devices)
@@ -261,7 +247,6 @@ class RuntimeCheck:
         before = self._endpoint
         if before is not None and (before.socket, before.source) == (endpoint.socket, endpoint.source):
             return
-        from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS  # noqa: PLC0415 - loaded by start() already
 
         where = endpoint.socket or "the usual sockets " + ", ".join(DEFAULT_RUNTIME_SOCKETS)
         EventLog(log).info(EVENT_ENDPOINT, "cdi: asking %s (%s)", where, endpoint.why)
@@ -295,3 +280,13 @@ EVENT_NOT_APPLIED = "cdi-not-applied"
 EVENT_RUNTIME = "cdi-runtime"
 #: Journal event: the runtime socket's directory cannot be watched (the verdict then follows less).
 EVENT_UNWATCHED = "cdi-unwatched"
+
+
+def _unwatched(directory: str, exc: OSError) -> None:
+    EventLog(log).warning(
+        EVENT_UNWATCHED,
+        "cdi: cannot watch %s for the runtime's socket (%s); the runtime is asked again only on reload and "
+        "when kubelet starts",
+        directory,
+        exc.strerror or exc,
+    )

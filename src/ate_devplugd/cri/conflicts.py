@@ -12,13 +12,14 @@ of a burst). Each new problem is logged once, a warning naming the file (``cdi-c
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import posixpath
 import stat
 from collections.abc import Callable, Iterable, Sequence
 
-from ate_devplugd.base.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.inotify import DirEvent, DirWatcher, watch_dir
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config.device import DeviceConfig, qualified_name
 from ate_devplugd.cri.facts import reads_dir
@@ -35,6 +36,15 @@ EVENT_UNWATCHED = "cdi-unwatched"
 #: How long after the first event in a spec directory it is read again (a tool writing several files
 #: is one scan).
 SETTLE_DELAY = 0.05
+
+
+def _unwatched(directory: str, exc: OSError) -> None:
+    EventLog(log).warning(
+        EVENT_UNWATCHED,
+        "cdi: cannot watch %s for spec files (%s); it is read again only when the runtime is asked",
+        directory,
+        exc.strerror or exc,
+    )
 
 
 def dirs_to_read(runtime_dirs: Sequence[str] | None, cdi_dir: str) -> tuple[str, ...]:
@@ -120,19 +130,9 @@ class SpecCheck:
         if dirs != self._dirs:
             self._unwatch()
             for directory in dict.fromkeys(dirs):
-                watcher = DirWatcher(directory, self._on_events, contents=True)
-                try:
-                    watcher.start()
-                except OSError as exc:
-                    watcher.close()
-                    EventLog(log).warning(
-                        EVENT_UNWATCHED,
-                        "cdi: cannot watch %s for spec files (%s); it is read again only when the runtime is asked",
-                        directory,
-                        exc.strerror or exc,
-                    )
-                    continue
-                self._watchers.append(watcher)
+                watcher = watch_dir(directory, self._on_events, functools.partial(_unwatched, directory), contents=True)
+                if watcher is not None:
+                    self._watchers.append(watcher)
             self._dirs = dirs
         self._cdi_dir, self._devices = cdi_dir, tuple(devices)
         self._rescan()

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ate_devplugd.base import atomicfile
-from ate_devplugd.base.inotify import DirEvent, DirWatcher
+from ate_devplugd.base.inotify import DirEvent, DirWatcher, watch_dir
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config.device import DeviceConfig, qualified_name
 from ate_devplugd.node.devices import Resource
@@ -237,20 +237,16 @@ class CdiSpecs:
             self._watcher = None
         if not wanted:
             return
-        watcher = DirWatcher(self.cdi_dir, self._on_events, contents=True)
-        try:
-            watcher.start()
-        except OSError as exc:
-            watcher.close()
-            EventLog(log).warning(
-                "cdi-unwatched",
-                "cdi: cannot watch %s for our specs (%s); a spec of ours removed or changed there is written "
-                "back only at the next look (udev event or reload)",
-                self.cdi_dir,
-                exc.strerror or exc,
-            )
-            return
-        self._watcher = watcher
+        self._watcher = watch_dir(self.cdi_dir, self._on_events, self._unwatched, contents=True)
+
+    def _unwatched(self, exc: OSError) -> None:
+        EventLog(log).warning(
+            "cdi-unwatched",
+            "cdi: cannot watch %s for our specs (%s); a spec of ours removed or changed there is written back "
+            "only at the next look (udev event or reload)",
+            self.cdi_dir,
+            exc.strerror or exc,
+        )
 
     def _on_events(self, events: list[DirEvent]) -> None:
         names = {posixpath.basename(path) for path, _ in self._written.values()}
