@@ -1,4 +1,5 @@
-"""glibc's malloc for a long-running daemon with helper threads: one arena for every thread.
+"""glibc's malloc for a long-running daemon with helper threads: one arena for every thread, and the
+heap trimmed after a burst of work (``Trim``).
 
 gRPC core runs threads of its own (timers, an event engine, executors). glibc gives each thread that
 allocates while the arenas it has are busy a new arena, up to eight per core, and memory freed in an
@@ -11,7 +12,9 @@ that any way of starting the daemon gets it.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+from collections.abc import Callable
 
 #: mallopt(3) parameter: the most arenas glibc creates (malloc.h).
 M_ARENA_MAX = -8
@@ -29,3 +32,45 @@ def one_arena() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_ARENA_MAX, 1))
+
+
+#: How long after the first change of a burst the heap is trimmed: later changes of the burst ride along.
+TRIM_DELAY = 0.5
+
+
+class Trim:
+    """Give the heap's free pages back to the system once a burst of work has passed (``malloc_trim(3)``).
+
+    After a burst (a kubelet restart, thousands of Allocates) glibc keeps the memory freed in the heap
+    mapped: about 1 MiB of RSS that the daemon no longer uses (``make bench``: RSS after load). ``poke()``
+    after each piece of work: the first one of a burst schedules one trim ``TRIM_DELAY`` later, the others
+    ride along, and the work that comes after a trim schedules the next, so the last trim comes after the
+    last piece of work. Nothing where this is not glibc's malloc. A trim of this heap takes well under a
+    millisecond.
+    """
+
+    def __init__(self, delay: float = TRIM_DELAY) -> None:
+        self._delay = delay
+        self._handle: asyncio.TimerHandle | None = None
+        try:
+            trim = ctypes.CDLL(None).malloc_trim
+        except AttributeError:
+            self._call: Callable[[], object] | None = None
+        else:
+            trim.argtypes = [ctypes.c_size_t]
+            trim.restype = ctypes.c_int
+            self._call = lambda: trim(0)
+
+    def poke(self) -> None:
+        if self._call is not None and self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self._delay, self._trim)
+
+    def _trim(self) -> None:
+        self._handle = None
+        if self._call is not None:
+            self._call()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

@@ -1,16 +1,14 @@
 """The daemon's lifecycle: start-up, the main loop, reload and shutdown, on one asyncio loop.
 
 Start-up takes the instance lock, then applies the config from nothing; a reload applies a re-read one
-over the running one. Both are one method, ``Daemon._apply``: a plan (every step that can fail), then a
-commit (watch, then read the state, then serve: each socket proves it answers before it registers), and
-the config swapped last (``daemon.apply``).
-READY=1 goes out once every present device has been served, whether or not kubelet is there; the
-metrics file follows from then on, and so does the question to the container runtime whether it applies
-our CDI names (``cri.check.RuntimeCheck`` says when it asks again). The main loop sleeps until a
-signal's flag is set; the only timers are the watchdog ping, back-offs and coalescing delays (the metrics
-file, the events of the runtime socket's directory and of CDI's, a device withheld or offered:
-``cri.usable``). A reload is applied whole or not at all (``reload.decision``); ``reload.report`` says how
-each went (STATUS, journal, counters, the record ``ate-devplugd reload`` reads).
+over the running one. Both are ``Daemon._apply``: a plan (every step that can fail), then a commit (watch,
+then read the state, then serve: each socket proves it answers before it registers), the config swapped
+last (``daemon.apply``). READY=1 goes out once every present device has been served, kubelet there or
+not; the metrics file follows from then on, and so does the question to the container runtime whether it
+applies our CDI names (``cri.check``). The main loop sleeps until a signal's flag is set; the only timers
+are the watchdog ping, back-offs and coalescing delays (the metrics file, the heap's trim, the events of
+the runtime socket's directory and of CDI's, a device withheld or offered: ``cri.usable``). A reload is
+applied whole or not at all (``reload.decision``); ``reload.report`` says how each went.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ate_devplugd.base.grpc_compat import grpc_runtime
 from ate_devplugd.base.logs import EventLog
+from ate_devplugd.base.malloc import Trim
 from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff
 from ate_devplugd.daemon import apply
@@ -74,6 +73,7 @@ class Daemon:
         self._lock = InstanceLock.of(config)
         self._metrics = Metrics()
         self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
+        self._trim = Trim()
         self._watch = KubeletWatch(config.plugin_dir, self._kubelet_started)
         #: The container runtime's check and what it makes usable: made once a resource uses CDI (or in DRA
         #: mode), so a node without CDI loads none of the CRI modules (``_ask_runtime``).
@@ -138,6 +138,7 @@ class Daemon:
             if self._mode is not None:
                 await self._mode.stop()
             self._metrics_file.close()
+            self._trim.close()
             if self._devices is not None:
                 self._devices.close()
             self._watch.close()
@@ -193,13 +194,19 @@ class Daemon:
             self._notifier.ready(self.status_line())
             self._events.info("ready", "ready: %s", self.status_line())
             # Metrics from now on: the first write comes after READY.
-            self._metrics.on_change = self._metrics_file.changed
+            self._metrics.on_change = self._counted
         self._metrics_file.enable(self.config.metrics_file)
         self._ask_runtime()
         if first:
             self._reloads.started()
         else:
             self._reloads.applied(change)
+
+    def _counted(self, prompt: bool = False) -> None:
+        """A change the metrics count (a registration, an Allocate, ...): the metrics file follows, and the
+        heap is trimmed once the burst has passed."""
+        self._metrics_file.changed(prompt)
+        self._trim.poke()
 
     def _looked(self, resource: Resource, event: str | None) -> None:
         """After each look at a device (its CDI spec written) and each change of its withholding: whether
