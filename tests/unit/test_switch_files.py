@@ -10,6 +10,8 @@ from ate_devplugd.commands import switch_files
 from ate_devplugd.commands.switch_files import HostFiles, with_mode
 from ate_devplugd.config import ConfigError
 
+ADDED = switch_files.ADDED
+
 
 @pytest.mark.parametrize(
     ("text", "mode", "expected"),
@@ -22,15 +24,40 @@ from ate_devplugd.config import ConfigError
         (
             "# c\nlog_level = 'info'\n\n[dra]\nnode_name = 'a'\n",
             "dra",
-            "# c\nlog_level = 'info'\n\nmode = \"dra\"\n\n[dra]\nnode_name = 'a'\n",
+            f"# c\nlog_level = 'info'\n\nmode = \"dra\"{ADDED}\n\n[dra]\nnode_name = 'a'\n",
         ),
-        ("log_level = 'info'", "dra", "log_level = 'info'\nmode = \"dra\"\n"),
-        ("", "dra", 'mode = "dra"\n'),
+        (  # above the comment lines of the first table, which stay with it
+            "log_level = 'info'\n\n# the devices\n# one table each\n[[device]]\n",
+            "dra",
+            f"log_level = 'info'\n\nmode = \"dra\"{ADDED}\n\n# the devices\n# one table each\n[[device]]\n",
+        ),
+        ("log_level = 'info'", "dra", f"log_level = 'info'\nmode = \"dra\"{ADDED}\n"),
+        ("", "dra", f'mode = "dra"{ADDED}\n'),
         ("  mode='device-plugin'\n", "dra", 'mode = "dra"\n'),
+        ("log_level = 'info'\n", "device-plugin", "log_level = 'info'\n"),  # the default: nothing added
+        (f'mode = "dra"{ADDED}\n\n[dra]\n', "device-plugin", "[dra]\n"),  # the line it added goes
     ],
 )
 def test_with_mode_changes_the_mode_line_only(text: str, mode: str, expected: str) -> None:
     assert with_mode(text, mode) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "log_level = 'info'\n",
+        "# c\nlog_level = 'info'\n\n# Each [[device]] table\n[[device]]\nresource = 'ate.dev/kvm'\n\n[dra]\n",
+        'mode = "device-plugin"\n[dra]\n',
+        'mode = "device-plugin"  # mine\n',
+    ],
+)
+def test_there_and_back_leaves_the_file_as_it_was(text: str) -> None:
+    """(An operator's own mode line is kept, in the spelling ``mode = "..."``; a file without a last newline
+    keeps the one added before the line.)"""
+    there = with_mode(text, "dra")
+    assert there != text and with_mode(there, "dra") == there
+    assert with_mode(there, "device-plugin") == text
 
 
 def test_write_mode_refuses_a_config_check_config_refuses(tmp_path: Path) -> None:

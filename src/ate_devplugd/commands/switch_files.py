@@ -1,8 +1,8 @@
 """The host's side of ``switch-mode``: the config's top-level ``mode`` and the unit's DRA drop-in (and the
 name of its cordon's annotation, which ``doctor`` reads too).
 
-The config file is changed in its ``mode`` line only (added before the first table when it has none), so
-every other byte stays as the operator wrote it; the new text is validated as ``check-config`` validates
+The config file is changed in its ``mode`` line only (added, marked, before the first table when it has
+none; that line removed again on the way back), so every other byte stays as the operator wrote it; the new text is validated as ``check-config`` validates
 it before it replaces the file in one step. The drop-in is a symlink to the packaged
 ``dra-mode.conf``, as README's recipe makes it by hand.
 """
@@ -30,6 +30,8 @@ DROPIN_NAME = "dra-mode.conf"
 #: A top-level ``mode = ...`` line (before any table header), with whatever comment follows it.
 _MODE_LINE = re.compile(r'^[ \t]*mode[ \t]*=[ \t]*("[^"\n]*"|\'[^\'\n]*\')(?P<rest>[ \t]*(#[^\n]*)?)$', re.MULTILINE)
 _TABLE = re.compile(r"^[ \t]*\[", re.MULTILINE)
+#: The comment on a mode line ``switch-mode`` added (the file had none): it goes again on the way back.
+ADDED = "  # added by ate-devplugd switch-mode"
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,27 @@ class HostFiles:
 
 
 def with_mode(text: str, mode: str) -> str:
-    """``text`` with its top-level ``mode`` set to ``mode``, every other byte kept."""
+    """``text`` with its top-level ``mode`` set to ``mode``, every other byte kept. A file without a mode
+    line gets one, marked (``ADDED``), above the first table and the comment lines that are its own; the
+    way back to device-plugin mode (the default) removes that marked line, so a move there and back leaves
+    the file as it was."""
     first_table = _TABLE.search(text)
     top = text[: first_table.start()] if first_table else text
-    line = f'mode = "{mode}"'
     found = _MODE_LINE.search(top)
     if found is not None:
-        return text[: found.start()] + line + found["rest"] + text[found.end() :]
+        if mode == "device-plugin" and found["rest"] == ADDED:
+            end = found.end() + (2 if text.startswith("\n\n", found.end()) else 1)
+            return text[: found.start()] + text[end:]
+        return text[: found.start()] + f'mode = "{mode}"' + found["rest"] + text[found.end() :]
+    if mode == "device-plugin":
+        return text  # the default already
+    line = f'mode = "{mode}"{ADDED}'
     if first_table is None:
         return text + ("" if not text or text.endswith("\n") else "\n") + line + "\n"
-    return text[: first_table.start()] + line + "\n\n" + text[first_table.start() :]
+    at = first_table.start()
+    while (above := text.rfind("\n", 0, at - 1) + 1) < at and text[above:at].lstrip().startswith("#"):
+        at = above  # the table's own comment lines stay with it
+    return text[:at] + line + "\n\n" + text[at:]
 
 
 def write_mode(files: HostFiles, mode: str) -> tuple[bool, Config]:

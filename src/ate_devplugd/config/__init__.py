@@ -272,10 +272,11 @@ def review(config: Config) -> Review:
         where = f"device[{index}] ({dev.resource})"
         if dev.count > device_config.COSTLY_COUNT and config.mode == "device-plugin":  # DRA: dra.devices
             warnings.append(f"{where}: count: {dev.count} {device_config.count_cost(dev.count)}")
-    if config.dra is not None and config.mode != "dra":
-        warnings.append(
-            '[dra]: read only in DRA mode (mode = "dra"); in device-plugin mode it is checked, not used, '
-            "and a reload refuses any change to it (it changes only on restart)"
+    if config.dra is not None and config.mode != "dra":  # the setup of a node that switch-mode moves
+        notes.append(
+            "[dra]: in device-plugin mode it serves DRA unprepare only (for claims left on this node, where "
+            "dra-mode.conf is linked) and names the Node for switch-mode; nothing is published, and a reload "
+            "refuses any change to it (it changes only on restart)"
         )
     if config.devices_defaulted:
         default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
