@@ -25,8 +25,8 @@ import asyncio
 import contextlib
 import random
 import time
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc

@@ -165,7 +165,7 @@ def status_facts(status: str | None, dra: bool) -> Facts:
         facts["registered"] = parts[0].startswith("dra: registered with kubelet, ")
         facts["api"] = "slices API server error" not in parts[0]
         m = re.search(r", slice published \((\d+) devices?\)", parts[0])
-        no_device = ", slice published (no device present)" in parts[0]
+        no_device = ", slice published (no device offered)" in parts[0]
         facts["published"] = int(m[1]) if m else 0 if no_device else f"not published: {parts[0]!r}"
         return facts
     m = re.match(rf"{re.escape(RESOURCE)}: (\d+)/(\d+) healthy", parts[0])

@@ -66,7 +66,7 @@ class TestDraMode:
 
                 kernel.remove_node(fake_root / "dev" / "kvm")
                 monitor.emit("remove")
-                await node.status("slice published (no device present)")
+                await node.status("slice published (no device offered)")
                 assert node.api.node_slices()[0]["spec"]["devices"] == []
 
                 assert await node.running.stop() == 0
@@ -165,7 +165,7 @@ class TestDraMode:
             await node.api.next_change("ADDED")
             await node.status("dra: registered with kubelet, slice published (128 devices)")
             shown = [f["STATUS"] for f in node.notify.history if "STATUS" in f]
-            assert not [s for s in shown if "no device present" in s], shown
+            assert not [s for s in shown if "no device offered" in s], shown
 
     async def test_live_socket_at_the_registration_path_stops_the_start(
         self, fake_root: Path, kernel: FakeKernel

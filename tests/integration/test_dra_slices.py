@@ -225,7 +225,7 @@ class TestHealth:
             _, obj = await r.api.next_change("MODIFIED")
             assert obj["spec"]["devices"] == [] and obj["spec"]["pool"]["generation"] == 2
             status = await r.status(lambda s: s.devices == 0 and s.slices is SliceState.PUBLISHED)
-            assert "slice published (no device present)," in str(status)
+            assert "slice published (no device offered)," in str(status)
             r.driver.set_health("ate.dev/kvm", True)
             _, obj = await r.api.next_change("MODIFIED")
             assert len(obj["spec"]["devices"]) == 128 and obj["spec"]["pool"]["generation"] == 3

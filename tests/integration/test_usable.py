@@ -157,7 +157,7 @@ class TestDraMode:
             runtime = await FakeRuntime(socket, "containerd", "1.7.24", containerd_info(False, cdi)).start()
             try:
                 await node.status("withheld: cdi-not-applied")
-                await node.status("slice published (no device present)")
+                await node.status("slice published (no device offered)")
                 assert node.api.node_slices()[0]["spec"]["devices"] == []
                 runtime = await restarted(runtime, True, cdi)
                 await node.status("slice published (128 devices)")
@@ -165,7 +165,7 @@ class TestDraMode:
                 other = Path(node.config.cdi_dir) / "other.json"
                 other.write_text(other_spec())
                 await node.status("withheld: spec-conflict")
-                await node.status("slice published (no device present)")
+                await node.status("slice published (no device offered)")
                 assert node.api.node_slices()[0]["spec"]["devices"] == []
                 other.unlink()
                 status = await node.status("slice published (128 devices)")

@@ -171,7 +171,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 why = self._resource.unusable_reason
                 return (
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"Allocate: device {creq.devices_ids[0]!r} of {name} is unhealthy: {why}",
+                    f"Allocate: device {creq.devices_ids[0]!r} of {name} is not usable now: {why}",
                 )
         return None
 

@@ -87,7 +87,7 @@ class DraStatus:
             slices = (
                 f"slice published ({devices_text(self.devices)})"
                 if self.devices
-                else "slice published (no device present)"
+                else "slice published (no device offered)"
             )
             if self.layout is not None:  # what the slices hold; until they are published, their state says more
                 slices += f", layout {self.layout}"

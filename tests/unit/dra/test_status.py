@@ -20,7 +20,7 @@ class TestStatus:
             ),
             (
                 DraStatus(KubeletLink.WAITING, SliceState.PUBLISHED, 0),
-                "dra: waiting for kubelet, slice published (no device present)",
+                "dra: waiting for kubelet, slice published (no device offered)",
             ),
             (
                 DraStatus(KubeletLink.GONE, SliceState.PUBLISHED, 128),
