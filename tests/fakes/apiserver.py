@@ -65,7 +65,7 @@ import re
 import ssl
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -80,7 +80,9 @@ from tests.fakes.apivalidation import (
     validate_object,
     validate_slice,
 )
-from tests.fakes.certs import Pki
+
+if TYPE_CHECKING:  # only a type here: the package test runs this without python3-cryptography
+    from tests.fakes.certs import Pki
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 NODES = "/api/v1/nodes"

@@ -3,8 +3,8 @@
 # as a oneshot unit once multi-user.target is reached. /mnt/share holds:
 #   deb/ate-devplugd_*.deb   the package under test
 #   previous/*.deb           the same tree built with a lower version (the upgrade's starting point)
-#   src/                     the project's Python package (for the fake kubelet)
-#   fakes/kubelet.py         the fake kubelet
+#   src/                     the project's Python package (for the fakes)
+#   tests/fakes/             the fakes (tests.fakes, on PYTHONPATH with src/): the fake kubelet among them
 #   wait_event.py            waits for kubelet log events and journal records
 #   inplace.py               records file changes; checks and reports an upgrade or downgrade in place
 # Each check appends "PASS|FAIL name (seconds)" to /mnt/share/results.txt, an in-place step also its
@@ -23,6 +23,7 @@ metrics_file=/var/lib/prometheus/node-exporter/ate-devplugd.prom
 cdi_spec=/run/cdi/ate.dev-kvm.json
 klog=/run/fake-kubelet.jsonl
 wait_event=(python3 "$share/wait_event.py")
+pythonpath=$share/src:$share
 export DEBIAN_FRONTEND=noninteractive
 : >"$results"
 
@@ -98,8 +99,8 @@ say "/dev/kvm usable in the container: $kvm_ok"
 start_kubelet() {
     mkdir -p "$plugin_dir" && chmod 0750 "$plugin_dir"
     systemd-run --unit=fake-kubelet --collect -p KillSignal=SIGTERM \
-        -E PYTHONPATH="$share/src" -E PYTHONUNBUFFERED=1 \
-        python3 "$share/fakes/kubelet.py" --dir "$plugin_dir" --log "$klog" &&
+        -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
+        python3 "$share/tests/fakes/kubelet.py" --dir "$plugin_dir" --log "$klog" &&
         kubelet_event --timeout 30 listening >/dev/null
 }
 must "fake kubelet listening" start_kubelet
@@ -204,8 +205,8 @@ check "cdi = true: the CDI spec is written to /run/cdi under the hardened unit" 
 runtime_asked() {
     local c; c=$(cursor)
     systemd-run --unit=fake-runtime --collect -p KillSignal=SIGTERM \
-        -E PYTHONPATH="$share/src" -E PYTHONUNBUFFERED=1 \
-        python3 "$share/fakes/cri.py" --socket /run/containerd/containerd.sock --enable-cdi false &&
+        -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
+        python3 "$share/tests/fakes/cri.py" --socket /run/containerd/containerd.sock --enable-cdi false &&
         wait_for 30 test -S /run/containerd/containerd.sock &&
         systemctl reload "$unit" &&
         journal_record --after-cursor "$c" --timeout 30 ATE_EVENT=cdi-not-applied >/dev/null &&

@@ -10,7 +10,7 @@ The first record that matches (every KEY=VALUE equal to the record's value, as
 text) is printed as JSON and the exit status is 0; after the timeout the
 status is 1 and the last records read are printed to stderr. Only the standard
 library is used, so it runs with any python3. It runs from the test's share,
-beside the fakes/ directory: the log is re-read when inotify says its directory
+beside tests/fakes/: the log is re-read when inotify says its directory
 changed, and the journal is followed by journalctl --follow. journal-text prints
 the messages of the unit's records after the cursor, one per line.
 
@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fakes.filewait import DirWatch
+from tests.fakes.filewait import DirWatch
 
 
 def matches(record: dict, wanted: dict[str, str]) -> bool:
