@@ -764,7 +764,7 @@ class FakeApiServer:
             async with asyncio.timeout(timeout):
                 while (event := await watcher.queue.get()) is not None:
                     await response.write(json.dumps(event).encode() + b"\n")
-        except TimeoutError:
+        except (TimeoutError, ConnectionResetError):  # the watch's end, or its client went (it closed the watch)
             pass
         finally:
             self._watchers.remove(watcher)
