@@ -65,7 +65,7 @@ import re
 import ssl
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -80,7 +80,9 @@ from tests.fakes.apivalidation import (
     validate_object,
     validate_slice,
 )
-from tests.fakes.certs import Pki
+
+if TYPE_CHECKING:  # only a type here: the package test runs this without python3-cryptography
+    from tests.fakes.certs import Pki
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 NODES = "/api/v1/nodes"
@@ -762,7 +764,7 @@ class FakeApiServer:
             async with asyncio.timeout(timeout):
                 while (event := await watcher.queue.get()) is not None:
                     await response.write(json.dumps(event).encode() + b"\n")
-        except TimeoutError:
+        except (TimeoutError, ConnectionResetError):  # the watch's end, or its client went (it closed the watch)
             pass
         finally:
             self._watchers.remove(watcher)

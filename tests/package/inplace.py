@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fakes.filewait import (
+from tests.fakes.filewait import (
     IN_CLOSE_WRITE,
     IN_CREATE,
     IN_DELETE,

@@ -3,12 +3,15 @@
 # as a oneshot unit once multi-user.target is reached. /mnt/share holds:
 #   deb/ate-devplugd_*.deb   the package under test
 #   previous/*.deb           the same tree built with a lower version (the upgrade's starting point)
-#   src/                     the project's Python package (for the fake kubelet)
-#   fakes/kubelet.py         the fake kubelet
-#   wait_event.py            waits for kubelet log events and journal records
+#   src/                     the project's Python package (for the fakes)
+#   tests/fakes/             the fakes (tests.fakes, on PYTHONPATH with src/): the fake kubelet among them
+#   wait_event.py            waits for the fakes' log events and journal records
 #   inplace.py               records file changes; checks and reports an upgrade or downgrade in place
-# Each check appends "PASS|FAIL name (seconds)" to /mnt/share/results.txt, an in-place step also its
-# figures (indented); "DONE" is appended last. The container journal goes to /mnt/share/journal.txt.
+#   control_plane.py         the node's control plane for switch-mode: API server, DRA plugin watcher,
+#                            node-status update
+# Each check appends "PASS|FAIL name (seconds)" to /mnt/share/results.txt, an in-place step and a
+# switch-mode move also their figures (indented); "DONE" is appended last. The container journal goes
+# to /mnt/share/journal.txt.
 # Checks are functions run through check/must, which shellcheck cannot follow.
 # shellcheck disable=SC2317
 set -uo pipefail
@@ -23,6 +26,7 @@ metrics_file=/var/lib/prometheus/node-exporter/ate-devplugd.prom
 cdi_spec=/run/cdi/ate.dev-kvm.json
 klog=/run/fake-kubelet.jsonl
 wait_event=(python3 "$share/wait_event.py")
+pythonpath=$share/src:$share
 export DEBIAN_FRONTEND=noninteractive
 : >"$results"
 
@@ -48,7 +52,7 @@ check() {
 }
 
 finish() {
-    systemctl stop fake-kubelet.service fake-runtime.service 2>/dev/null
+    systemctl stop fake-kubelet.service fake-runtime.service fake-control-plane.service 2>/dev/null
     journalctl -b --no-pager -o short-monotonic >"$share/journal.txt" 2>&1
     echo DONE >>"$results"
     exit $failed
@@ -98,8 +102,8 @@ say "/dev/kvm usable in the container: $kvm_ok"
 start_kubelet() {
     mkdir -p "$plugin_dir" && chmod 0750 "$plugin_dir"
     systemd-run --unit=fake-kubelet --collect -p KillSignal=SIGTERM \
-        -E PYTHONPATH="$share/src" -E PYTHONUNBUFFERED=1 \
-        python3 "$share/fakes/kubelet.py" --dir "$plugin_dir" --log "$klog" &&
+        -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
+        python3 "$share/tests/fakes/kubelet.py" --dir "$plugin_dir" --log "$klog" &&
         kubelet_event --timeout 30 listening >/dev/null
 }
 must "fake kubelet listening" start_kubelet
@@ -204,8 +208,8 @@ check "cdi = true: the CDI spec is written to /run/cdi under the hardened unit" 
 runtime_asked() {
     local c; c=$(cursor)
     systemd-run --unit=fake-runtime --collect -p KillSignal=SIGTERM \
-        -E PYTHONPATH="$share/src" -E PYTHONUNBUFFERED=1 \
-        python3 "$share/fakes/cri.py" --socket /run/containerd/containerd.sock --enable-cdi false &&
+        -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
+        python3 "$share/tests/fakes/cri.py" --socket /run/containerd/containerd.sock --enable-cdi false &&
         wait_for 30 test -S /run/containerd/containerd.sock &&
         systemctl reload "$unit" &&
         journal_record --after-cursor "$c" --timeout 30 ATE_EVENT=cdi-not-applied >/dev/null &&
@@ -319,6 +323,186 @@ kubelet_restart() {
         wait_for 10 test -S "$sock" && expect_prop MainPID "$pid"
 }
 check "kubelet restart is followed by re-registration" kubelet_restart
+
+# ---- switch-mode: to DRA mode and back -------------------------------------------------------------
+# The node's control plane as a unit of its own (control_plane.py): the API server with this node's Node
+# (kubelet's kubeconfig at the [dra] default path), kubelet's DRA plugin watcher on /var/lib/kubelet,
+# and kubelet's node-status update, every second, from the fake kubelet's log. The operator's one-time
+# edit is the [dra] table (docs/switching.md); the installed command then moves the node to DRA mode
+# and back under this systemd, and the conffile, the unit and the Node end as they were.
+node_name=pkgtest-node
+kubeconfig=/etc/kubernetes/kubelet.conf
+driver=kvm.ate.dev
+cplog=/run/control-plane.jsonl
+dropin_dir=/etc/systemd/system/$unit.d
+dropin=$dropin_dir/dra-mode.conf
+switch_records=LOGGER=ate_devplugd.commands.switch  # switch-mode's journal records (see wait_event.py)
+switch_timeout=60
+control_plane=(env PYTHONPATH="$pythonpath" python3 "$share/control_plane.py")
+cp_event() { "${wait_event[@]}" log "$cplog" "$@"; }
+cp_state() { "${control_plane[@]}" state --node "$node_name" --kubeconfig "$kubeconfig" --driver "$driver"; }
+units=$(sed -n 's/^count = \([0-9]*\)$/\1/p' "$conf")
+# switch_events CURSOR: switch-mode's ATE_EVENTs after CURSOR, in order, on one line.
+switch_events() {
+    "${wait_event[@]}" journal "$switch_records" --after-cursor "$1" --timeout 10 ATE_EVENT=switch-done >/dev/null
+    "${wait_event[@]}" journal-text "$switch_records" --after-cursor "$1" --field ATE_EVENT | paste -sd ' '
+}
+expect_events() {  # expect_events CURSOR EVENT...
+    local got; got=$(switch_events "$1"); shift
+    [ "$got" = "$*" ] || { say "switch-mode's events: $got; expected: $*"; return 1; }
+}
+# mode_line_only BEFORE AFTER MODE: AFTER is BEFORE with its mode line set to MODE (a line added before
+# the first table when BEFORE has none, with a blank line after it); every other byte the same.
+mode_line_only() {
+    local out
+    out=$(diff "$1" "$2")
+    printf '%s\n' "$out" | sed 's/^/  conffile: /' >&2
+    grep -qx "mode = \"$3\"" "$2" &&
+        ! printf '%s\n' "$out" | grep '^[<>]' | grep -v -x -e '< mode = ".*"' -e "> mode = \"$3\"" -e '> ' >&2
+}
+# move MODE: run the installed switch-mode, its output to stderr, its time to the results (a figure).
+move() {
+    local start rc=0 secs
+    start=$(date +%s.%N)
+    ate-devplugd switch-mode "$1" --timeout "$switch_timeout" >/run/switch.out 2>&1 || rc=$?
+    secs=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $start }")
+    sed 's/^/  /' /run/switch.out >&2
+    printf '    switch-mode %s: %s s (exit %s)\n' "$1" "$secs" "$rc" | tee -a "$results" >&2
+    return "$rc"
+}
+# cordon_figure MODE T: how long the Node was cordoned by the move to MODE started at T (a figure).
+cordon_figure() {
+    local secs
+    secs=$("${control_plane[@]}" cordoned --log "$cplog" --after "$2") &&
+        printf '    switch-mode %s: node cordoned for %s s\n' "$1" "$secs" | tee -a "$results" >&2
+}
+uncordoned() {
+    local state; state=$(cp_state) || return 1
+    printf '%s\n' "$state" | sed 's/^/  node: /' >&2
+    grep -qx 'unschedulable false' <<<"$state" && grep -qx 'annotations {}' <<<"$state"
+}
+
+start_control_plane() {
+    systemd-run --unit=fake-control-plane --collect -p KillSignal=SIGTERM \
+        -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
+        python3 "$share/control_plane.py" serve --node "$node_name" --kubeconfig "$kubeconfig" \
+        --kubelet-dir /var/lib/kubelet --kubelet-log "$klog" --log "$cplog" &&
+        cp_event --timeout 30 listening >/dev/null &&
+        cp_event --timeout 10 node-status >/dev/null
+}
+
+to_dra() {
+    local pid c t rc=0 state
+    cp -a "$conf" /run/config.toml.before-dra
+    printf '\n[dra]\nnode_name = "%s"\nkubeconfig = "%s"\nkubelet_dir = "/var/lib/kubelet"\n' \
+        "$node_name" "$kubeconfig" >>"$conf"
+    ate-devplugd check-config >/dev/null || { say "check-config refused the [dra] table"; return 1; }
+    sha256sum <"$conf" >/run/config.sha256
+    cp -a "$conf" /run/config.toml.with-dra
+    pid=$(prop MainPID); c=$(cursor); t=$(now)
+    move dra || rc=1
+    cordon_figure dra "$t" || rc=1
+    mode_line_only /run/config.toml.with-dra "$conf" dra ||
+        { say "the conffile changed beyond its mode line"; rc=1; }
+    [ "$(readlink "$dropin")" = /usr/share/ate-devplugd/dra-mode.conf ] ||
+        { say "$dropin: $(ls -l "$dropin" 2>&1)"; rc=1; }
+    { wait_for 30 is_running && [ "$(prop MainPID)" != "$pid" ]; } || { say "not restarted, or not running"; rc=1; }
+    prop DropInPaths | tr ' ' '\n' | grep -qx "$dropin" || { say "DropInPaths: $(prop DropInPaths)"; rc=1; }
+    expect_prop NeedDaemonReload no || rc=1
+    cp_event --after "$t" --timeout 30 node unschedulable=True >/dev/null ||
+        { say "the Node was not cordoned"; rc=1; }
+    cp_event --after "$t" --timeout 30 dra-registered driver="$driver" >/dev/null || rc=1
+    cp_event --after "$t" --timeout 30 slice-added driver="$driver" >/dev/null || rc=1
+    # The device-plugin path withheld: registered, every unit unhealthy, so the Node says 0.
+    kubelet_event --after "$t" --timeout 30 list resource=ate.dev/kvm healthy=0 total="$units" >/dev/null || rc=1
+    state=$(cp_state) || rc=1
+    { grep -qx 'allocatable ate.dev/kvm 0' <<<"$state" && grep -qE '^slice [^ ]+ [1-9][0-9]*$' <<<"$state"; } ||
+        { say "the Node does not show the DRA path"; rc=1; }
+    uncordoned || { say "the Node is still cordoned"; rc=1; }
+    expect_events "$c" switch-cordon switch-settled switch-applied switch-path switch-done || rc=1
+    return "$rc"
+}
+
+dra_again() {
+    local pid c t rc=0
+    pid=$(prop MainPID); c=$(cursor); t=$(now)
+    cp -a "$conf" /run/config.toml.dra
+    move dra || rc=1
+    grep -q 'nothing to do' /run/switch.out || { say "switch-mode did not say there was nothing to do"; rc=1; }
+    cmp -s /run/config.toml.dra "$conf" || { say "the conffile changed"; rc=1; }
+    { is_running && expect_prop MainPID "$pid"; } || { say "the daemon was restarted"; rc=1; }
+    ! cp_event --after "$t" --timeout 0 node unschedulable=True >/dev/null 2>&1 ||
+        { say "the Node was cordoned"; rc=1; }
+    expect_events "$c" switch-done || rc=1
+    return "$rc"
+}
+
+to_device_plugin() {
+    local pid c t rc=0 state
+    pid=$(prop MainPID); c=$(cursor); t=$(now)
+    move device-plugin || rc=1
+    cordon_figure device-plugin "$t" || rc=1
+    mode_line_only /run/config.toml.dra "$conf" device-plugin ||
+        { say "the conffile changed beyond its mode line"; rc=1; }
+    { [ ! -e "$dropin" ] && [ ! -L "$dropin" ]; } || { say "$dropin left"; rc=1; }
+    { wait_for 30 is_running && [ "$(prop MainPID)" != "$pid" ]; } || { say "not restarted, or not running"; rc=1; }
+    ! prop DropInPaths | tr ' ' '\n' | grep -qx "$dropin" || { say "DropInPaths: $(prop DropInPaths)"; rc=1; }
+    cp_event --after "$t" --timeout 30 node unschedulable=True >/dev/null ||
+        { say "the Node was not cordoned"; rc=1; }
+    kubelet_event --after "$t" --timeout 30 list resource=ate.dev/kvm healthy="$units" total="$units" >/dev/null ||
+        rc=1
+    cp_event --after "$t" --timeout 30 dra-deregistered driver="$driver" >/dev/null || rc=1
+    cp_event --after "$t" --timeout 30 slice-deleted driver="$driver" >/dev/null || rc=1
+    state=$(cp_state) || rc=1
+    { grep -qx "allocatable ate.dev/kvm $units" <<<"$state" && grep -qx 'slices 0' <<<"$state"; } ||
+        { say "the Node does not show the device-plugin path"; rc=1; }
+    uncordoned || { say "the Node is still cordoned"; rc=1; }
+    expect_events "$c" switch-cordon switch-settled switch-applied switch-slice-deleted switch-path switch-done ||
+        rc=1
+    return "$rc"
+}
+
+nothing_left() {
+    local rc=0
+    sha256sum --quiet -c /run/config.sha256 <"$conf" >/dev/null 2>&1 || {
+        say "the conffile is not as before the first switch (sha256 $(sha256sum <"$conf" | cut -c1-16)," \
+            "was $(cut -c1-16 /run/config.sha256)):"
+        diff /run/config.toml.with-dra "$conf" >&2
+        rc=1
+    }
+    [ ! -e "$dropin_dir" ] || { say "left in $dropin_dir: $(ls -A "$dropin_dir")"; rc=1; }
+    expect_prop NeedDaemonReload no || rc=1
+    ! compgen -G "/var/lib/kubelet/plugins_registry/*" >/dev/null ||
+        { say "left in kubelet's plugin registry: $(ls /var/lib/kubelet/plugins_registry)"; rc=1; }
+    [ ! -e "/var/lib/kubelet/plugins/$driver/dra.sock" ] || { say "the DRA plugin socket is left"; rc=1; }
+    uncordoned || rc=1
+    return "$rc"
+}
+
+without_dra() {  # the conffile as the later checks expect it, and no drop-in, whatever the moves left
+    local t; t=$(now)
+    cp -a /run/config.toml.before-dra "$conf"
+    rm -f "$dropin" && { rmdir "$dropin_dir" 2>/dev/null || true; }
+    systemctl daemon-reload && systemctl restart "$unit" && is_running &&
+        kubelet_event --after "$t" --timeout 60 list resource=ate.dev/kvm healthy="$units" >/dev/null &&
+        systemctl stop fake-control-plane.service
+}
+
+# The Node's allocatable is the device manager's healthy units: without a usable /dev/kvm there are
+# none, and the device-plugin path never shows; the moves are not tried then.
+if [ "$kvm_ok" = 1 ]; then
+    must "fake control plane serving (API server, DRA plugin watcher, node-status update)" start_control_plane
+    check "switch-mode dra: mode line written, drop-in linked, restarted with it, DRA driver registered and its slice published, uncordoned" \
+        to_dra
+    check "switch-mode dra again: nothing to do (switch-done), no restart, no cordon" dra_again
+    check "switch-mode device-plugin: mode line back, drop-in removed, restarted without it, $units units registered, no slice, uncordoned" \
+        to_device_plugin
+    check "switch-mode there and back: the conffile as it was (sha256), no drop-in, no annotation, no daemon-reload pending" \
+        nothing_left
+    must "the [dra] table removed again: restarted and registered" without_dra
+else
+    say "no usable /dev/kvm here: switch-mode's moves not tried"
+fi
 
 # ---- a bad configuration -------------------------------------------------------------------------
 bad_config() {

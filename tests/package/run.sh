@@ -300,10 +300,13 @@ for suite in "${suites[@]}"; do
         check "[$suite] the same with DRA mode's drop-in <= $max_exposure_dra" exposure_dra
         check "[$suite] bake: dpkg --root install enables the unit, starts nothing" bake
         cp -a "$work/pkgs/deb" "$work/pkgs/previous" "$share/"
-        cp "$here/inside.sh" "$here/wait_event.py" "$here/inplace.py" "$share/"
-        cp -a "$top/tests/fakes" "$share/fakes"
+        cp "$here/inside.sh" "$here/wait_event.py" "$here/inplace.py" "$here/control_plane.py" "$share/"
+        # The fakes as the package tests.fakes (they import each other so), beside the project's package.
+        mkdir -p "$share/tests"
+        cp "$top/tests/__init__.py" "$share/tests/"
+        cp -a "$top/tests/fakes" "$share/tests/fakes"
         cp -a "$top/src" "$share/src"
-        find "$share/src" "$share/fakes" -name __pycache__ -prune -exec rm -rf {} +
+        find "$share/src" "$share/tests" -name __pycache__ -prune -exec rm -rf {} +
         check "[$suite] booted systemd (systemd-nspawn --boot): service lifecycle" booted
     fi
     [ $failed = 0 ] || failed_suites+=("$suite")

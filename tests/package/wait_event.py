@@ -1,18 +1,21 @@
 #!/usr/bin/python3
-"""Wait for an event in the fake kubelet's JSON-lines log, or for a journal record.
+"""Wait for an event in a fake's JSON-lines log, or for a journal record.
 
     wait_event.py kubelet LOG [--after T] [--timeout S] EVENT [KEY=VALUE ...]
+    wait_event.py log LOG [--after T] [--timeout S] EVENT [KEY=VALUE ...]
     wait_event.py journal UNIT [--after-cursor C] [--timeout S] [FIELD=VALUE ...]
-    wait_event.py journal-text UNIT --after-cursor C
+    wait_event.py journal-text UNIT --after-cursor C [--field FIELD]
 
 
 The first record that matches (every KEY=VALUE equal to the record's value, as
 text) is printed as JSON and the exit status is 0; after the timeout the
 status is 1 and the last records read are printed to stderr. Only the standard
 library is used, so it runs with any python3. It runs from the test's share,
-beside the fakes/ directory: the log is re-read when inotify says its directory
-changed, and the journal is followed by journalctl --follow. journal-text prints
-the messages of the unit's records after the cursor, one per line.
+beside tests/fakes/: the log is re-read when inotify says its directory
+changed, and the journal is followed by journalctl --follow. "log" reads any
+fake's log of that form (the fake kubelet's, the fake control plane's: a "t"
+and an "event" per line), as "kubelet" does. journal-text prints the messages
+(or the FIELD) of the unit's records after the cursor, one per line.
 
 The unit's records are picked here, never with journalctl's own matches: with
 a cursor and a match (-u UNIT, or _SYSTEMD_UNIT=UNIT), journalctl 252 (Debian
@@ -28,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fakes.filewait import DirWatch
+from tests.fakes.filewait import DirWatch
 
 
 def matches(record: dict, wanted: dict[str, str]) -> bool:
@@ -52,7 +55,12 @@ def read_kubelet(path: str, after: float) -> list[dict]:
 
 
 def of_unit(record: dict, unit: str) -> bool:
-    """What journalctl -u shows: the unit's own processes, and systemd's messages about the unit."""
+    """What journalctl -u shows: the unit's own processes, and systemd's messages about the unit. UNIT may
+    be FIELD=VALUE instead: the records with that field (a command that exits right after logging can
+    leave records journald no longer ties to its unit: it reads the unit from the sender's cgroup)."""
+    field, sep, value = unit.partition("=")
+    if sep:
+        return record.get(field) == value
     return record.get("_SYSTEMD_UNIT") == unit or (record.get("_PID") == "1" and record.get("UNIT") == unit)
 
 
@@ -110,33 +118,34 @@ def timed_out(wanted: dict[str, str], timeout: float, records: list[dict]) -> in
     return 1
 
 
-def journal_text(unit: str, cursor: str | None) -> int:
+def journal_text(unit: str, cursor: str | None, field: str = "MESSAGE") -> int:
     out = subprocess.run(journal_cmd(cursor, "-b"), check=True, capture_output=True, text=True).stdout
     for line in out.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
-            if of_unit(record, unit) and isinstance(record.get("MESSAGE"), str):
-                print(record["MESSAGE"])
+            if of_unit(record, unit) and isinstance(record.get(field), str):
+                print(record[field])
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("source", choices=["kubelet", "journal", "journal-text"])
-    parser.add_argument("where", help="kubelet log file, or unit name")
-    parser.add_argument("--after", type=float, default=0.0, help="kubelet records after this time")
+    parser.add_argument("source", choices=["kubelet", "log", "journal", "journal-text"])
+    parser.add_argument("where", help="a fake's log file, or unit name (or FIELD=VALUE: see of_unit)")
+    parser.add_argument("--after", type=float, default=0.0, help="log records after this time")
     parser.add_argument("--after-cursor", help="journal records after this cursor")
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("match", nargs="*", help="EVENT (kubelet only), then KEY=VALUE ...")
+    parser.add_argument("--field", default="MESSAGE", help="journal-text: the field printed")
+    parser.add_argument("match", nargs="*", help="EVENT (a log only), then KEY=VALUE ...")
     args = parser.parse_intermixed_args()
 
     if args.source == "journal-text":
-        return journal_text(args.where, args.after_cursor)
+        return journal_text(args.where, args.after_cursor, args.field)
     terms = list(args.match)
     wanted: dict[str, str] = {}
-    if args.source == "kubelet":
+    if args.source in ("kubelet", "log"):
         if not terms:
-            parser.error("kubelet needs an EVENT")
+            parser.error(f"{args.source} needs an EVENT")
         wanted["event"] = terms.pop(0)
     for term in terms:
         key, sep, value = term.partition("=")
@@ -144,7 +153,7 @@ def main() -> int:
             parser.error(f"not KEY=VALUE: {term}")
         wanted[key] = value
 
-    if args.source == "kubelet":
+    if args.source in ("kubelet", "log"):
         return wait_kubelet(args.where, args.after, wanted, args.timeout)
     return follow_journal(args.where, args.after_cursor, wanted, args.timeout)
 
