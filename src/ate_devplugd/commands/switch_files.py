@@ -2,9 +2,9 @@
 name of its cordon's annotation, which ``doctor`` reads too).
 
 The config file is changed in its ``mode`` line only (added, marked, before the first table when it has
-none; that line removed again on the way back), so every other byte stays as the operator wrote it; the new text is validated as ``check-config`` validates
-it before it replaces the file in one step. The drop-in is a symlink to the packaged
-``dra-mode.conf``, as README's recipe makes it by hand.
+none; that line removed again on the way back), so every other byte stays as the operator wrote it; the
+new text is validated as ``check-config`` validates it before it replaces the file in one step. The
+drop-in is a symlink to the packaged ``dra-mode.conf``.
 """
 
 from __future__ import annotations
