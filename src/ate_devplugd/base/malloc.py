@@ -45,7 +45,8 @@ class Trim:
     mapped: about 1 MiB of RSS that the daemon no longer uses (``make bench``: RSS after load). ``poke()``
     after each piece of work: the first one of a burst schedules one trim ``TRIM_DELAY`` later, the others
     ride along, and the work that comes after a trim schedules the next, so the last trim comes after the
-    last piece of work. Nothing where this is not glibc's malloc. A trim of this heap takes well under a
+    last piece of work; or ``now()`` where another coalesced step (the metrics file's write) ends the
+    burst, with no timer of its own. Nothing where this is not glibc's malloc. A trim of this heap takes well under a
     millisecond.
     """
 
@@ -64,6 +65,12 @@ class Trim:
     def poke(self) -> None:
         if self._call is not None and self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(self._delay, self._trim)
+
+    def now(self) -> None:
+        """Trim now (what a pending ``poke`` would do): where another coalesced step ends the burst."""
+        self.close()
+        if self._call is not None:
+            self._call()
 
     def _trim(self) -> None:
         self._handle = None

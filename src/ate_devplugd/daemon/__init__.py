@@ -72,11 +72,10 @@ class Daemon:
         self._events = EventLog(log)
         self._lock = InstanceLock.of(config)
         self._metrics = Metrics()
-        self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render)
         self._trim = Trim()
+        self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render, after_write=self._trim.now)
         self._watch = KubeletWatch(config.plugin_dir, self._kubelet_started)
-        #: The container runtime's check and what it makes usable: made once a resource uses CDI (or in DRA
-        #: mode), so a node without CDI loads none of the CRI modules (``_ask_runtime``).
+        #: The runtime's check and what it makes usable: made once CDI is used (``_ask_runtime``).
         self._runtime: RuntimeCheck | None = None
         self._usable: Usability | None = None
         self._reloads = ReloadReport(self._metrics, self._files)
@@ -204,9 +203,10 @@ class Daemon:
 
     def _counted(self, prompt: bool = False) -> None:
         """A change the metrics count (a registration, an Allocate, ...): the metrics file follows, and the
-        heap is trimmed once the burst has passed."""
+        heap is trimmed once the burst has passed: after the file's coalesced write, else on its own timer."""
         self._metrics_file.changed(prompt)
-        self._trim.poke()
+        if not self._metrics_file.enabled:
+            self._trim.poke()
 
     def _looked(self, resource: Resource, event: str | None) -> None:
         """After each look at a device (its CDI spec written) and each change of its withholding: whether

@@ -50,9 +50,18 @@ _MISSING_DIR = (errno.ENOENT, errno.ENOTDIR)
 class TextfileWriter:
     """Keeps ``path`` equal to ``render()``, written on change; ``path=""`` means metrics are off."""
 
-    def __init__(self, path: str, render: Callable[[], bytes], *, interval: float = INTERVAL) -> None:
+    def __init__(
+        self,
+        path: str,
+        render: Callable[[], bytes],
+        *,
+        interval: float = INTERVAL,
+        after_write: Callable[[], None] | None = None,
+    ) -> None:
         self.path = path
         self._render = render
+        #: Called after each file written: the coalesced end of a burst of changes.
+        self._after_write = after_write
         self.interval = interval
         self.enabled = bool(path)
         #: Files written (renames done) since construction.
@@ -121,6 +130,8 @@ class TextfileWriter:
         self.writes += 1
         self._written_path = self.path
         self._off = None
+        if self._after_write is not None:
+            self._after_write()
 
     def _turn_off(self, exc: OSError) -> None:
         """Off until a reload; said once per cause (a reload that meets the same one says nothing again)."""
