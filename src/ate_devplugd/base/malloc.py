@@ -46,34 +46,31 @@ class Trim:
     after each piece of work: the first one of a burst schedules one trim ``TRIM_DELAY`` later, the others
     ride along, and the work that comes after a trim schedules the next, so the last trim comes after the
     last piece of work; or ``now()`` where another coalesced step (the metrics file's write) ends the
-    burst, with no timer of its own. Nothing where this is not glibc's malloc. A trim of this heap takes well under a
-    millisecond.
+    burst, with no timer of its own. Nothing where this is not glibc's malloc. A trim of this heap takes
+    well under a millisecond.
     """
 
-    def __init__(self, delay: float = TRIM_DELAY) -> None:
+    def __init__(self, delay: float = TRIM_DELAY, call: Callable[[], object] | None = None) -> None:
+        """``call``: what a trim does (a test's own; by default glibc's ``malloc_trim(0)``)."""
         self._delay = delay
         self._handle: asyncio.TimerHandle | None = None
-        try:
-            trim = ctypes.CDLL(None).malloc_trim
-        except AttributeError:
-            self._call: Callable[[], object] | None = None
-        else:
+        self._call = call
+        if call is None:
+            try:
+                trim = ctypes.CDLL(None).malloc_trim
+            except AttributeError:
+                return
             trim.argtypes = [ctypes.c_size_t]
             trim.restype = ctypes.c_int
             self._call = lambda: trim(0)
 
     def poke(self) -> None:
         if self._call is not None and self._handle is None:
-            self._handle = asyncio.get_running_loop().call_later(self._delay, self._trim)
+            self._handle = asyncio.get_running_loop().call_later(self._delay, self.now)
 
     def now(self) -> None:
-        """Trim now (what a pending ``poke`` would do): where another coalesced step ends the burst."""
+        """Trim now (what a pending ``poke`` does when its time comes)."""
         self.close()
-        if self._call is not None:
-            self._call()
-
-    def _trim(self) -> None:
-        self._handle = None
         if self._call is not None:
             self._call()
 
