@@ -16,7 +16,7 @@ import os
 import posixpath
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,7 @@ _ANCESTOR_MASK = IN_CREATE | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF | IN_ON
 _EVENT = struct.Struct("iIII")
 
 
-@dataclass(frozen=True)
-class DirEvent:
+class DirEvent(NamedTuple):
     """Something happened in or to the watched directory.
 
     ``kind`` is ``created``, ``removed`` or ``written`` (with ``name``; ``written``: a file opened for

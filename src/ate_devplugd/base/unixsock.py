@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import posixpath
 import socket
-from dataclasses import dataclass
+from typing import NamedTuple
 
 #: Channel options for calls to a unix socket that the caller retries itself: gRPC does not retry them.
 #: With gRPC's retries on (its default), grpcio 1.85 sometimes never finished a Register cut off by a
@@ -32,8 +32,7 @@ def unix_target(path: str) -> str:
     return "unix://" + os.path.abspath(path)
 
 
-@dataclass(frozen=True)
-class FileIdentity:
+class FileIdentity(NamedTuple):
     """One file at a path, told apart from a later file at the same path."""
 
     dev: int

@@ -18,7 +18,7 @@ import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.toml_text import toml_str, toml_value
@@ -123,8 +123,7 @@ def _overrides(given: Overrides, errors: list[str]) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class ConfigDiff:
+class ConfigDiff(NamedTuple):
     """Resource names by what a new config does to them, each in the new (or old) config's order."""
 
     added: tuple[str, ...]
@@ -252,8 +251,7 @@ def from_mapping(
     return Config(**top)
 
 
-@dataclass(frozen=True)
-class Review:
+class Review(NamedTuple):
     """What ``check-config`` says of a valid config beyond its errors (``load`` finds them all), one line each."""
 
     #: Legal but costly or unused settings (``count`` above COSTLY_COUNT, ``[dra]`` outside DRA mode):

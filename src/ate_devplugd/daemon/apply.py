@@ -19,8 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff, diff
@@ -33,8 +32,7 @@ if TYPE_CHECKING:
     from ate_devplugd.daemon.modes import Modes
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """A config ready to be committed over the running one (``old``: None at start)."""
 
     old: Config | None

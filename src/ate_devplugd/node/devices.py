@@ -15,7 +15,7 @@ import errno
 import logging
 import posixpath
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.look import Look, look
@@ -32,8 +32,7 @@ UNHEALTHY = "Unhealthy"
 KVM_API_VERSION = 12
 
 
-@dataclass(frozen=True)
-class Presence:
+class Presence(NamedTuple):
     """What one look at one device found."""
 
     present: bool
@@ -67,8 +66,7 @@ class Withheld(enum.Enum):
     MODE_SWITCH = "mode-switch"
 
 
-@dataclass(frozen=True)
-class Withholding:
+class Withholding(NamedTuple):
     """A device withheld: why (the enum a caller branches on) and the words an operator reads."""
 
     reason: Withheld

@@ -12,8 +12,7 @@ import fcntl
 import os
 import posixpath
 import stat
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 #: _IO(KVMIO, 0x00): returns the KVM API version, 12 on every kernel since 2.6.22.
 KVM_GET_API_VERSION = 0xAE00
@@ -25,8 +24,7 @@ KVM_CREATE_VM = 0xAE01
 STATIC_NODES_CONF = "/run/tmpfiles.d/static-nodes.conf"
 
 
-@dataclass(frozen=True)
-class NodeStat:
+class NodeStat(NamedTuple):
     """What a stat of a device path tells: a character device (with its numbers), or something else."""
 
     is_char: bool

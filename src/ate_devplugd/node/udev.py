@@ -13,8 +13,7 @@ import asyncio
 import errno
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.look import Look, look
@@ -27,8 +26,7 @@ UDEVD_CONTROL = "/run/udev/control"
 RECEIVE_BUFFER = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class UEvent:
+class UEvent(NamedTuple):
     """The parts of a udev event worth logging."""
 
     action: str

@@ -22,7 +22,6 @@ zero) from the moment it is added and gone with it. A new series is one more ``F
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ate_devplugd import __version__
@@ -68,23 +67,43 @@ class MetricSource(Protocol):
     def families(self) -> Iterator[Family]: ...
 
 
-@dataclass
 class _Resource:
-    looked: bool = False
-    present: bool = False
-    healthy: bool = False
-    advertised_units: int = 0
-    registered: bool = False
-    streams: int = 0
-    registrations: int = 0
-    register_failures: int = 0
-    reregistrations: int = 0
-    cdi_spec_rewrites: int = 0
-    allocations: int = 0
-    allocate_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALLOCATE_ERROR_CODES, 0))
-    health_transitions: int = 0
-    #: Why the device is withheld (``cri.usable``), None while it is not.
-    withheld: Withheld | None = None
+    """What the metrics hold of one resource (a plain class: made at start, a dataclass would cost its
+    generated methods' compilation at every start)."""
+
+    __slots__ = (
+        "advertised_units",
+        "allocate_errors",
+        "allocations",
+        "cdi_spec_rewrites",
+        "health_transitions",
+        "healthy",
+        "looked",
+        "present",
+        "register_failures",
+        "registered",
+        "registrations",
+        "reregistrations",
+        "streams",
+        "withheld",
+    )
+
+    def __init__(self) -> None:
+        self.looked = False
+        self.present = False
+        self.healthy = False
+        self.advertised_units = 0
+        self.registered = False
+        self.streams = 0
+        self.registrations = 0
+        self.register_failures = 0
+        self.reregistrations = 0
+        self.cdi_spec_rewrites = 0
+        self.allocations = 0
+        self.allocate_errors: dict[str, int] = dict.fromkeys(ALLOCATE_ERROR_CODES, 0)
+        self.health_transitions = 0
+        #: Why the device is withheld (``cri.usable``), None while it is not.
+        self.withheld: Withheld | None = None
 
 
 def _usable(r: _Resource) -> int:
