@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config import Config
 from ate_devplugd.deviceplugin.plugins import DevicePlugins
-from ate_devplugd.kubelet.dra_state import CHECKPOINT, Claims, claims_of
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.devices import DeviceRegistry, Resource
 from ate_devplugd.signals.metrics import Metrics
@@ -76,6 +75,8 @@ class Modes:
     def _unprepare_unavailable(self, exc: OSError) -> None:
         """No unprepare-only driver: a warning while kubelet's checkpoint may hold a claim of ours (DRA pods
         left here cannot be deleted), else one info line (``switch-mode`` removed the drop-in with none left)."""
+        from ate_devplugd.kubelet.dra_state import CHECKPOINT, Claims, claims_of  # noqa: PLC0415 - only here
+
         assert self._dra is not None
         claims = claims_of(self._dra.kubelet_dir, self._dra.driver)
         events = EventLog(log)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import os
 import posixpath
@@ -137,6 +136,8 @@ class CdiSpecs:
         if devnum is None:
             # Not there now: the spec written while it was (if any) stays for the containers holding it.
             return
+        import json  # noqa: PLC0415 - only once a device uses CDI
+
         path = spec_path(self.cdi_dir, dev)
         data = (json.dumps(spec(dev, *devnum), indent=2) + "\n").encode()
         found = on_disk(path, data)
@@ -276,6 +277,8 @@ def on_disk(path: str, data: bytes) -> SpecState:
         return SpecState.INVALID
     if found == data:
         return SpecState.OURS
+    import json  # noqa: PLC0415 - only once a device uses CDI
+
     try:
         loaded = json.loads(found)
     except (ValueError, UnicodeDecodeError):

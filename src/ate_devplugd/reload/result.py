@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import posixpath
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ate_devplugd.base import atomicfile
 from ate_devplugd.base.inotify import DirEvent, DirWatcher
@@ -37,8 +36,7 @@ class Outcome(enum.Enum):
 ENDED = frozenset({Outcome.APPLIED, Outcome.REFUSED, Outcome.FAILED})
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(NamedTuple):
     """One record: whose (``pid``), which reload (``generation``, 0 for the start), and how it went;
     ``error`` is the line to show for a refused or failed one (``config error: ...``)."""
 
@@ -54,6 +52,8 @@ def path_in(runtime_dir: str) -> str:
 
 def write(path: str, result: Result) -> None:
     """Replace the record in one step (a reader sees the old one or the new one, never a part)."""
+    import json  # noqa: PLC0415 - only under the unit, once the daemon has started
+
     record = {"pid": result.pid, "generation": result.generation, "outcome": result.outcome.value}
     if result.error:
         record["error"] = result.error
@@ -62,6 +62,8 @@ def write(path: str, result: Result) -> None:
 
 def read(path: str) -> Result | None:
     """The record at ``path``; None when there is none (or it is not one of ours)."""
+    import json  # noqa: PLC0415
+
     try:
         with open(path, "rb") as fh:
             record = json.loads(fh.read(64 * 1024))
