@@ -1,10 +1,9 @@
 """Command line: ``ate-devplugd [run] | check-config | probe | doctor | dra-manifests | reload |
-switch-mode``: each
-command run as ``commands.args`` parsed it."""
+switch-mode``: the unit's `run` line as ``commands.runline`` reads it, any other as ``commands.args``
+parses it; then the command it names."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -15,10 +14,12 @@ from typing import TYPE_CHECKING
 
 from ate_devplugd import __version__
 from ate_devplugd import config as configmod
-from ate_devplugd.commands import args as cli_args
+from ate_devplugd.commands import runline
 from ate_devplugd.config import DEFAULT_CONFIG_PATH, ConfigError
 
 if TYPE_CHECKING:
+    import argparse
+
     from ate_devplugd.commands import running
 
 #: `probe` found a socket that does not answer, `doctor` a FAIL, `reload` a refusal (os.EX_* has no name).
@@ -33,14 +34,31 @@ def _config_error(exc: ConfigError) -> int:
     return os.EX_CONFIG
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return per command
+def main(argv: list[str] | None = None) -> int:
     early = _EarlySignals()
     given = list(sys.argv[1:] if argv is None else argv)
-    parser = cli_args.parser_for(given)
-    args = parser.parse_args(cli_args.command_first(parser, given))
-    if args.command != "run":
-        early.restore()
+    line = runline.read(given)  # the unit's `run` line: no argparse
+    if line is None:
+        from ate_devplugd.commands import args as cli_args  # noqa: PLC0415 - argparse for any other line
 
+        parser = cli_args.parser_for(given)
+        args = parser.parse_args(cli_args.command_first(parser, given))
+        if args.command != "run":
+            early.restore()
+            return _command(args)
+        line = runline.RunLine(args.config, args.plugin_dir, args.dev_root, args.log_level, args.log_target)
+    try:
+        cfg = configmod.load(line.config, overrides=line.overrides())
+    except ConfigError as exc:
+        return _config_error(exc)
+    status = _run(cfg, line, early)
+    if argv is None:  # the process itself (the console script, python -m), not a caller in Python
+        _exit_now(status)
+    return status
+
+
+def _command(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per command
+    """Any command but `run`, as ``commands.args`` parsed it."""
     if args.command == "doctor":
         return _doctor(args.config, as_json=args.json)
     if args.command == "reload":  # before the config is read: the daemon reads it, and says what it found
@@ -54,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         if daemon is not None:  # the daemon that runs, whatever the file says now
             return _probe(_describe_running(daemon, args.config, args.plugin_dir), args.timeout)
     try:
-        cfg = configmod.load(args.config, overrides=_run_overrides(args) if args.command == "run" else None)
+        cfg = configmod.load(args.config)
         if args.command == "probe" and args.plugin_dir:
             cfg = cfg.with_overrides(plugin_dir=args.plugin_dir)
     except ConfigError as exc:
@@ -66,14 +84,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one return pe
         return _switch_mode(cfg, args)
     if args.command == "probe":
         return _probe(cfg, args.timeout)
-    if args.command == "dra-manifests":
-        return _dra_manifests(
-            cfg, with_access=not args.kubelet_credentials, stage=args.stage, refuse_multi=args.refuse_multi
-        )
-    status = _run(cfg, args, early)
-    if argv is None:  # the process itself (the console script, python -m), not a caller in Python
-        _exit_now(status)
-    return status
+    return _dra_manifests(
+        cfg, with_access=not args.kubelet_credentials, stage=args.stage, refuse_multi=args.refuse_multi
+    )
 
 
 def _exit_now(status: int) -> None:
@@ -99,11 +112,6 @@ def _check_config(cfg: configmod.Config) -> int:
         print(f"ate-devplugd: config warning: {line}", file=sys.stderr)
     sys.stdout.write(configmod.render(cfg))
     return os.EX_OK
-
-
-def _run_overrides(args: argparse.Namespace) -> dict[str, str | None]:
-    """What `run`'s options set over the file (None: not given)."""
-    return {"plugin_dir": args.plugin_dir, "dev_root": args.dev_root, "log_level": args.log_level}
 
 
 def _describe_running(daemon: running.RunningDaemon, config: str | None, plugin_dir: str | None) -> configmod.Config:
@@ -228,7 +236,7 @@ def _doctor(config_path: str | None, *, as_json: bool) -> int:
     return findings.exit_status(found)
 
 
-def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) -> int:
+def _run(cfg: configmod.Config, line: runline.RunLine, early: _EarlySignals) -> int:
     from ate_devplugd.base import malloc  # noqa: PLC0415 - before gRPC and its threads
 
     malloc.one_arena()
@@ -238,15 +246,15 @@ def _run(cfg: configmod.Config, args: argparse.Namespace, early: _EarlySignals) 
     from ate_devplugd.daemon import Daemon  # noqa: PLC0415 - heavy imports only for the daemon
     from ate_devplugd.reload import result as reload_result  # noqa: PLC0415
 
-    setup_logging(args.log_target, cfg.log_level)
+    setup_logging(line.log_target, cfg.log_level)
     log = logging.getLogger(__name__)
 
     def reload_config() -> configmod.Config:
-        return configmod.load(args.config, overrides=_run_overrides(args))
+        return configmod.load(line.config, overrides=line.overrides())
 
     log.info("ate-devplugd %s starting: %d device(s), plugin_dir %s", __version__, len(cfg.devices), cfg.plugin_dir)
-    for line in configmod.review(cfg).warnings:  # what check-config warns of, said once (nothing to act on now)
-        log.info("config warning: %s", line)
+    for warning in configmod.review(cfg).warnings:  # what check-config warns of, said once (nothing to act on now)
+        log.info("config warning: %s", warning)
     if early.stop:
         return os.EX_OK
     # Under the unit (RuntimeDirectory=) the config it runs is kept for `probe`, each reload's outcome for `reload`.

@@ -218,22 +218,25 @@ async def test_a_dra_table_in_device_plugin_mode_is_a_note(tmp_path: Path) -> No
 # -- what each command loads -------------------------------------------------------------------------
 #: ``run`` until READY=1, then the modules loaded so far on stdout (and the process ended there).
 RUN_UNTIL_READY = """
-import json, os, sys
+import os, sys
 from ate_devplugd import cli
 from ate_devplugd.signals import notify
 
 def ready(self, status):
-    print(json.dumps(sorted(sys.modules)), flush=True)
+    loaded = sorted(sys.modules)
+    import json
+    print(json.dumps(loaded), flush=True)
     os._exit(0)
 
 notify.Notifier.ready = ready
 cli.main(["run", "--config", sys.argv[1], "--log-target", "console"])
 sys.exit("run returned before READY")
 """
-#: DRA mode's modules and libraries; with CDI off, nothing of the container runtime (``cri/``, its
-#: generated code); with metrics off, the text format.
-NOT_IN_DEVICE_PLUGIN_RUN = ("ate_devplugd.dra", "ate_devplugd.config.dra", "aiohttp", "yaml")
-NOT_WHILE_OFF = ("ate_devplugd.cri", "ate_devplugd._pb.cri", "ate_devplugd.signals.promtext")
+#: DRA mode's modules and libraries, and argparse (the unit's `run` line is read without it); with CDI
+#: off, nothing of the container runtime (``cri/``, its generated code) nor json (CDI's specs); with
+#: metrics off, the text format.
+NOT_IN_DEVICE_PLUGIN_RUN = ("ate_devplugd.dra", "ate_devplugd.config.dra", "aiohttp", "yaml", "argparse")
+NOT_WHILE_OFF = ("ate_devplugd.cri", "ate_devplugd._pb.cri", "ate_devplugd.signals.promtext", "json")
 
 
 def test_device_plugin_run_loads_nothing_of_dra_mode_nor_of_what_is_off(tmp_path: Path) -> None:

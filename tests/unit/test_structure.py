@@ -29,7 +29,7 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("dra", "DRA mode"),
     ("reload", "reloads and the running daemon's runtime directory"),
     ("daemon", "the daemon: the parts wired together on one loop"),
-    ("commands", "what the other commands run"),
+    ("commands", "the command line, and what the other commands run"),
 )
 #: The modes: same rank, apart from each other; only the daemon, the commands and the command line import them.
 MODES = frozenset({"deviceplugin", "dra"})

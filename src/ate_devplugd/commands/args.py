@@ -7,6 +7,7 @@ import argparse
 import math
 
 from ate_devplugd import __version__
+from ate_devplugd.commands import runline
 from ate_devplugd.config import DEFAULT_CONFIG_PATH, DEFAULT_PLUGIN_DIR
 
 DESCRIPTION = """\
@@ -112,7 +113,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         run.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
         run.add_argument(
             "--log-target",
-            choices=("auto", "journal", "console"),
+            choices=runline.LOG_TARGETS,
             default="auto",
             help="auto: journald when started by systemd, else stderr",
         )
