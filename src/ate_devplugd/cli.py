@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "run":
             early.restore()
             return _command(args)
-        line = runline.RunLine(args.config, args.plugin_dir, args.dev_root, args.log_level, args.log_target)
+        line = runline.RunLine.of(args)
     try:
         cfg = configmod.load(line.config, overrides=line.overrides())
     except ConfigError as exc:

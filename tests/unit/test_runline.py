@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from ate_devplugd import cli
 from ate_devplugd.commands import args as cli_args
 from ate_devplugd.commands import runline
 
@@ -12,7 +15,7 @@ def parsed(argv: list[str]) -> runline.RunLine:
     parser = cli_args.build_parser()
     ns = parser.parse_args(cli_args.command_first(parser, argv))
     assert ns.command == "run"
-    return runline.RunLine(ns.config, ns.plugin_dir, ns.dev_root, ns.log_level, ns.log_target)
+    return runline.RunLine.of(ns)
 
 
 READ = [
@@ -66,3 +69,12 @@ def test_its_options_are_the_run_parsers() -> None:
         assert given[option].nargs is None  # one value each
         assert given[option].choices == allowed
     assert set(given) - set(runline.OPTIONS) == {"-h", "--help"}
+
+
+@pytest.mark.parametrize("argv", [["run", "--config", "{}"], ["--config", "{}", "run"], ["run", "--conf={}"]])
+def test_both_readings_reach_the_config(tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Read here or by argparse, `run`'s --config is the file loaded (a bad one: exit 78, naming it)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('plugin_dir = "relative"\n')
+    assert cli.main([arg.format(bad) for arg in argv]) == 78
+    assert "plugin_dir" in capsys.readouterr().err

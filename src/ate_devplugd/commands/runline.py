@@ -9,7 +9,10 @@ abbreviation, an unknown option, a value argparse would refuse or read otherwise
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import argparse
 
 #: Where the log goes: ``auto`` is journald when started by systemd, else stderr.
 LOG_TARGETS = ("auto", "journal", "console")
@@ -31,6 +34,11 @@ class RunLine(NamedTuple):
     dev_root: str | None = None
     log_level: str | None = None
     log_target: str = "auto"
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> RunLine:
+        """The same, from `run`'s line as ``commands.args`` parsed it."""
+        return cls(**{name: getattr(args, name) for name in cls._fields})
 
     def overrides(self) -> dict[str, str | None]:
         """What the options set over the file."""
