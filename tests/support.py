@@ -40,6 +40,8 @@ from ate_devplugd._pb import api_pb2, api_pb2_grpc
 from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.base.logs import FIELD_EVENT
 from ate_devplugd.base.unixsock import unix_target
+from ate_devplugd.commands import instance
+from ate_devplugd.commands.instance import Running
 from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.daemon import Daemon
@@ -607,12 +609,10 @@ async def daemon_in_process(
     monitor: FakeMonitor | None = None,
     reload_config: Callable[[], Config] | None = None,
     notify: Path | None = None,
-    running_config: Path | None = None,
-    reload_result: Path | None = None,
+    source: Path | None = None,
 ) -> AsyncIterator[DaemonInProcess]:
-    """``Daemon`` on this loop with ``kernel`` for the device nodes and ``monitor`` for udev (and, given
-    ``running_config`` and ``reload.result``, the config it runs and its reloads' outcome kept there, as
-    under the unit)."""
+    """``Daemon`` on this loop with ``kernel`` for the device nodes and ``monitor`` for udev (``source``:
+    the config file its record names, as the command line gives it)."""
     factory = (lambda: (monitor, "udev")) if monitor is not None else None
     notifier = Notifier(str(notify) if notify is not None else None)
     with recording_events() as events:
@@ -622,8 +622,7 @@ async def daemon_in_process(
             kernel=kernel,
             monitor_factory=factory,
             notifier=notifier,
-            running_config=str(running_config) if running_config is not None else None,
-            reload_result=str(reload_result) if reload_result is not None else None,
+            source=str(source.resolve()) if source is not None else "",
         )
         task = asyncio.get_running_loop().create_task(daemon.run())
         try:
@@ -638,6 +637,11 @@ async def daemon_in_process(
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+
+
+async def record_of(config: Config) -> Running | None:
+    """The record of the daemon serving ``config``, as a command reads it."""
+    return await instance.serving(config)
 
 
 _DAEMON_LOGS = itertools.count(1)

@@ -1,6 +1,6 @@
 """A fake Kubernetes API server for DRA mode: ResourceSlices, ResourceClaims and Nodes, over HTTP(S).
 
-It behaves as the real one does toward a node's DRA driver (sources in shared/reference/dra-contract.md):
+It behaves as the real one does toward a node's DRA driver (Kubernetes 1.36's apiserver; docs/dra.md):
 - resourceslices: create (generateName, metadata.generation 1), get, update (resourceVersion must match:
   409; generation bumped on a spec change), delete; list and watch with field selectors
   ``spec.nodeName``/``spec.driver`` and resourceVersion, events as JSON lines on a chunked response,

@@ -1,7 +1,7 @@
 """What the API server checks in the objects DRA mode writes or ships, for the fake API server.
 
 ResourceSlice (resource.k8s.io/v1): the rules of the apiserver's ResourceSlice validation that a node's
-driver can break (types.go and its validation, read for shared/reference/dra-contract.md §3).
+driver can break (``staging/src/k8s.io/api/resource/v1/types.go`` and ``pkg/apis/resource/validation``).
 
 Object names, per kind, as each kind's validation calls apimachinery's ``ValidateObjectMeta`` with its
 own name function (read in kubernetes/kubernetes: ``staging/src/k8s.io/apimachinery/pkg/api/validation``

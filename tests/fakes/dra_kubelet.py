@@ -1,6 +1,6 @@
 """A fake kubelet toward a DRA driver: its plugin watcher, registration handler and DRA manager calls.
 
-It behaves as kubelet 1.36 does (shared/reference/dra-contract.md §1, §2):
+It behaves as kubelet 1.36 does (``pkg/kubelet/pluginmanager`` and ``pkg/kubelet/cm/dra``; docs/dra.md):
 - the plugin watcher watches ``<kubelet_dir>/plugins_registry`` (inotify, installed before the initial
   walk), ignores dot-names and anything that is not a socket, and removes the registration of a socket
   that goes away;

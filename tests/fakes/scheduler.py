@@ -1,4 +1,4 @@
-"""The rest of a node's Kubernetes around the daemon, as a node switching modes meets it (dra-contract §10):
+"""The rest of a node's Kubernetes around the daemon, as a node switching modes meets it (docs/switching.md):
 
 - ``NodeStatusReporter``: kubelet's node-status update, only every ``period`` (``nodeStatusUpdateFrequency``,
   10 s by default): the Node object's allocatable and capacity are what kubelet's device manager said

@@ -131,7 +131,9 @@ class Truth:
             "spec": "spec_conflict" if self.conflict and self.enable_cdi else "ok",
             "refused": self.refused,
             "reloads": (self.good_reloads, self.refused_reloads),
-            "config": self.file != "broken",
+            # doctor finds the daemon the file started, whatever the file says now, and says how it differs
+            "config": True,
+            "file": self.file,
         }
 
 
@@ -248,18 +250,20 @@ def api_facts(api: FakeApiServer, up: bool) -> Facts:
 
 
 def doctor_facts(checks: dict[str, dict[str, str]], truth: Truth) -> Facts:
-    """``doctor --json``: with the file on disk broken, only that it is; with one the daemon does not run
-    (a refused restart-only change), only that it loads; else what each check says."""
-    config = checks.get("config", {}).get("level") == "OK"
-    if not config or truth.file != "running":
-        return {"config": config}
+    """``doctor --json``: the daemon it describes (the one the file started, whatever the file says now:
+    broken, or a restart-only change refused), how the file differs from it, and what each check says."""
 
     def said(check: str) -> tuple[str, str]:
         found = checks.get(check, {})
         return found.get("level", "absent"), found.get("message", "")
 
+    level, message = said("config file")
+    file = {"absent": "running"}.get(level) or (
+        "broken" if "does not load" in message else "restart-only" if "(restart to apply)" in message else message
+    )
     facts: Facts = {
-        "config": True,
+        "config": said("config")[0] == "OK" and "the running daemon's" in said("config")[1],
+        "file": file,
         "kubelet": said("kubelet")[0] == "OK",
         "present": said(f"device {RESOURCE}")[0] == "OK",
     }

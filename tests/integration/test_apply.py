@@ -1,6 +1,6 @@
 """A reload is a plan, then a commit: a step that fails, whichever it is, leaves the running daemon as it
-was (its log level, its config and the copy ``probe`` reads, the udev filter, the sessions kubelet sees
-and the metrics' resources), and the next good reload applies the whole config."""
+was (its log level, its config and the config its record announces, the udev filter, the sessions kubelet
+sees and the metrics' resources), and the next good reload applies the whole config."""
 
 from __future__ import annotations
 
@@ -13,11 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import config as configmod
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.reload import decision
-from tests.support import RESOURCE, FakeKernel, FakeMonitor, daemon_in_process, kvm_config, started_kubelet
+from tests.support import (
+    RESOURCE,
+    FakeKernel,
+    FakeMonitor,
+    daemon_in_process,
+    kvm_config,
+    record_of,
+    started_kubelet,
+)
 
 VHOST = DeviceConfig("ate.dev/vhost-net", "/dev/vhost-net", count=2, subsystem="vhost")
 
@@ -95,22 +102,25 @@ async def test_a_failing_step_changes_nothing(
             raise FAILING.pop()
         return wanted
 
-    copy = plugin_dir.parent / "running-config.toml"
     monitor = RefusingMonitor()
     kubelet = await started_kubelet(plugin_dir)
+
+    async def announced() -> Config:
+        found = await record_of(base)
+        assert found is not None
+        return found.config
+
     try:
-        async with daemon_in_process(
-            base, kernel, monitor=monitor, reload_config=reload, running_config=copy
-        ) as running:
+        async with daemon_in_process(base, kernel, monitor=monitor, reload_config=reload) as running:
             await kubelet.next_event("list")
             daemon = running.daemon
             before = (
                 logging.getLogger().level,
                 daemon.config,
-                copy.read_text(),
+                await announced(),
                 set(monitor.filters),
                 daemon.status_line(),
-                resources(daemon._metrics.render()),
+                resources(daemon.metrics.render()),
                 sorted(kubelet.endpoints),
             )
             STEPS[step](monitor, monkeypatch)
@@ -118,10 +128,10 @@ async def test_a_failing_step_changes_nothing(
             after = (
                 logging.getLogger().level,
                 daemon.config,
-                copy.read_text(),
+                await announced(),
                 set(monitor.filters),
                 daemon.status_line().split(" | reload ")[0],
-                resources(daemon._metrics.render()),
+                resources(daemon.metrics.render()),
                 sorted(kubelet.endpoints),
             )
             assert after == before, step
@@ -131,7 +141,7 @@ async def test_a_failing_step_changes_nothing(
             monitor.refused = None
             monkeypatch.undo()
             assert await daemon.reload()
-            assert daemon.config == wanted and configmod.load(copy) == wanted
+            assert daemon.config == wanted and await announced() == wanted
             assert monitor.filters == {"misc", "vhost"} and logging.getLogger().level == logging.DEBUG
             await kubelet.next_event("list", resource=VHOST.resource)
             assert RESOURCE in daemon.status_line() and VHOST.resource in daemon.status_line()

@@ -28,7 +28,7 @@ from ate_devplugd.deviceplugin import drops
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.integration.dra_rig import NODE, TOKEN, write_kubeconfig
-from tests.support import FakeKernel, daemon_in_process, kvm_config, started_kubelet, wait_for_content
+from tests.support import FakeKernel, daemon_in_process, kvm_config, record_of, started_kubelet, wait_for_content
 
 
 def node_config(tmp_path: Path, plugin_dir: Path, fake_root: Path, **top: str) -> tuple[Config, Path]:
@@ -97,11 +97,12 @@ class TestAllRight:
             "runtime",
             "runtime cdi",
             "cdi specs",
+            "switch-mode",
         ]
         assert checks["device ate.dev/kvm"].message == "/dev/kvm: character device 10:232"
         assert checks["access ate.dev/kvm"].message.startswith("host 0660 ")
         assert "containers get 0666 (owned by the container's user) through CDI" in checks["access ate.dev/kvm"].message
-        assert checks["daemon"].message == f"running (pid {os.getpid()})"
+        assert checks["daemon"].message.startswith(f"running (pid {os.getpid()}, device-plugin mode in {plugin_dir}, ")
         assert checks["registered ate.dev/kvm"].message == "kubelet offers 4096 units of it (its pod-resources API)"
         assert (
             checks["runtime"].message
@@ -117,7 +118,7 @@ CGROUP2_MOUNTINFO = "30 1 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime 
 #: A typical run's findings (check, level, message, remedy): the daemon registered, kubelet 1.31, containerd
 #: 1.7 with enable_cdi = false. ``{tmp}``, ``{pid}``, ``{owner}`` and ``{gid}`` stand for the run's own.
 TYPICAL = [
-    ("config", "OK", "{tmp}/config.toml: 1 device(s), device-plugin mode", ""),
+    ("config", "OK", "the running daemon's, {tmp}/config.toml: 1 device(s), device-plugin mode", ""),
     ("device ate.dev/kvm", "OK", "/dev/kvm: character device 10:232", ""),
     ("kvm ate.dev/kvm", "OK", "KVM API 12; KVM_CREATE_VM works", ""),
     (
@@ -127,7 +128,7 @@ TYPICAL = [
         "apply its CDI spec (see runtime)",
         "fix the runtime line below",
     ),
-    ("daemon", "OK", "running (pid {pid})", ""),
+    ("daemon", "OK", "running ({daemon})", ""),
     ("socket ate.dev/kvm", "OK", "answers: 4096/4096 healthy, Allocate grants /dev/kvm -> /dev/kvm (rw)", ""),
     ("registered ate.dev/kvm", "OK", "kubelet offers 4096 units of it (its pod-resources API)", ""),
     ("kubelet", "OK", "{tmp}/device-plugins/kubelet.sock answers", ""),
@@ -143,14 +144,15 @@ TYPICAL = [
         "containerd, then kubelet",
     ),
     ("cdi specs", "OK", "no other spec in {tmp}/cdi defines ate.dev/kvm=kvm", ""),
+    ("switch-mode", "OK", "no move under way: the file and the running daemon are in device-plugin mode", ""),
 ]
 TYPICAL_TEXT = """\
-OK    config                  {tmp}/config.toml: 1 device(s), device-plugin mode
+OK    config                  the running daemon's, {tmp}/config.toml: 1 device(s), device-plugin mode
 OK    device ate.dev/kvm      /dev/kvm: character device 10:232
 OK    kvm ate.dev/kvm         KVM API 12; KVM_CREATE_VM works
 WARN  access ate.dev/kvm      host 0660 {owner}: a VMM that is not root (nor in the node's gid {gid}) gets EACCES: \
 the runtime does not apply its CDI spec (see runtime) -- fix the runtime line below
-OK    daemon                  running (pid {pid})
+OK    daemon                  running ({daemon})
 OK    socket ate.dev/kvm      answers: 4096/4096 healthy, Allocate grants /dev/kvm -> /dev/kvm (rw)
 OK    registered ate.dev/kvm  kubelet offers 4096 units of it (its pod-resources API)
 OK    kubelet                 {tmp}/device-plugins/kubelet.sock answers
@@ -160,7 +162,8 @@ OK    runtime                 containerd 1.7.24 at {tmp}/runtime.sock (runtime_s
 FAIL  runtime cdi             containerd 1.7.24 ignores CDI (enable_cdi = false): containers get the host's node \
 (owner and mode), so a non-root VMM gets EACCES -- set enable_cdi = true in [plugins."io.containerd.grpc.v1.cri"] \
 of /etc/containerd/config.toml, restart containerd, then kubelet
-OK    cdi specs               no other spec in {tmp}/cdi defines ate.dev/kvm=kvm"""
+OK    cdi specs               no other spec in {tmp}/cdi defines ate.dev/kvm=kvm
+OK    switch-mode             no move under way: the file and the running daemon are in device-plugin mode"""
 
 
 class TestTypicalRun:
@@ -178,18 +181,20 @@ class TestTypicalRun:
         binary = kubelet_binary(tmp_path, "v1.31.2")
         node = Node(kernel=kernel, find_kubelet=lambda: str(binary), mountinfo=str(mountinfo))
         try:
-            async with daemon_in_process(config, kernel):
+            async with daemon_in_process(config, kernel, source=path):
                 await kubelet.next_event("list")
                 findings = await examine(path, node)
+                running = await record_of(config)
+                assert running is not None and running.pid == os.getpid()
         finally:
             await kubelet.stop()
             await runtime.stop()
         st = os.stat(fake_root / "dev" / "kvm")
         owner = f"{pwd.getpwuid(st.st_uid).pw_name}:{grp.getgrgid(st.st_gid).gr_name}"
-        run = {"tmp": str(tmp_path), "pid": str(os.getpid()), "owner": owner, "gid": str(st.st_gid)}
+        run = {"tmp": str(tmp_path), "daemon": running.describe(), "owner": owner, "gid": str(st.st_gid)}
         assert render_text(findings) == TYPICAL_TEXT.format(**run)
         checks = [{"check": c, "level": level, "message": m.format(**run), "remedy": r} for c, level, m, r in TYPICAL]
-        summary = {"OK": 11, "WARN": 1, "FAIL": 1}
+        summary = {"OK": 12, "WARN": 1, "FAIL": 1}
         assert render_json(findings) == json.dumps({"ok": False, "summary": summary, "checks": checks}, indent=2)
         assert failed(findings)
 

@@ -216,12 +216,16 @@ class TestDraMode:
             assert not device_plugins.exists()
 
 
-async def probe(config: Config, directory: Path) -> tuple[int, list[str]]:
-    """``ate-devplugd probe`` run with ``config`` written to a file: its exit status and lines."""
+async def probe(config: Config, directory: Path, *, served: bool = True) -> tuple[int, list[str]]:
+    """``ate-devplugd probe`` run with ``config`` written to a file: its exit status and lines. A daemon
+    serving it is probed with nothing said on stderr; with none (``served`` False) stderr says so, naming
+    the driver's directory it would serve in."""
     path = directory / "probe.toml"
     path.write_text(configmod.render(config))
     status, out, err = await run_cli("probe", "--config", str(path), "--timeout", "3")
-    assert not err, err
+    assert config.dra is not None
+    nobody = f"ate-devplugd: no ate-devplugd serves {os.path.dirname(config.dra.plugin_socket)}"
+    assert (not err) if served else err.startswith(nobody), err
     return status, out.splitlines()
 
 
@@ -271,7 +275,7 @@ class TestProbe:
         async with short_dir() as base:
             dra = DraConfig(node_name=NODE, kubeconfig=str(base / "kubeconfig"), kubelet_dir=str(base / "kubelet"))
             config = dataclasses.replace(kvm_config(base, fake_root, cdi=True), mode="dra", dra=dra)
-            status, lines = await probe(config, base)
+            status, lines = await probe(config, base, served=False)
         assert status == 1, lines
         assert [line.split()[0] for line in lines[1:]] == ["registration", "plugin", "slices"]
         assert all(" ERROR " in line for line in lines[1:]), lines

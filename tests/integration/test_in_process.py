@@ -36,9 +36,9 @@ from tests.support import (
     NotifyReceiver,
     daemon_in_process,
     kvm_config,
+    record_of,
     run_cli,
     started_kubelet,
-    subprocess_env,
     wait_for_path,
     write_config,
 )
@@ -285,8 +285,8 @@ class TestReload:
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
         """After a refused reload STATUS (sent with READY=1) ends with `reload refused HH:MM:SS: <first
-        error>`, and stops saying so at the next good reload. The copy of the running config kept for
-        `probe` changes only with the good one, and goes at the stop."""
+        error>`, and stops saying so at the next good reload. The config the daemon's record announces
+        changes only with the good one, and the record goes with the daemon."""
         config = kvm_config(plugin_dir, fake_root, count=8)
         current: list[Config | ConfigError] = [config]
 
@@ -295,16 +295,17 @@ class TestReload:
                 raise current[0]
             return current[0]
 
-        kept_copy = tmp_path / "run" / "running-config.toml"
-        kept_copy.parent.mkdir()
         notify = NotifyReceiver(tmp_path / "notify")
+
+        async def announced() -> Config | None:
+            found = await record_of(config)
+            return found.config if found is not None else None
+
         kubelet = await started_kubelet(plugin_dir)
         try:
-            async with daemon_in_process(
-                config, kernel, reload_config=reload, notify=notify.path, running_config=kept_copy
-            ) as running:
+            async with daemon_in_process(config, kernel, reload_config=reload, notify=notify.path) as running:
                 await notify.wait_for(lambda f: f.get("STATUS") == "ate.dev/kvm: 8/8 healthy, registered")
-                assert configmod.load(kept_copy) == config
+                assert await announced() == config
                 first = "device[0] (ate.dev/kvm): count: 0 must be an integer from 1 to 65536"
                 current[0] = ConfigError([first, "unknown key 'bogus'"])
                 running.daemon.request_reload()
@@ -312,13 +313,13 @@ class TestReload:
                 kept, refused = ready["STATUS"].split(" | reload refused ")
                 assert kept == "ate.dev/kvm: 8/8 healthy, registered"
                 assert re.fullmatch(r"\d\d:\d\d:\d\d: " + re.escape(first), refused), ready
-                assert configmod.load(kept_copy) == config
+                assert await announced() == config
                 current[0] = kvm_config(plugin_dir, fake_root, count=4)
                 running.daemon.request_reload()
                 ready = await notify.wait_for(lambda f: "READY" in f)
                 assert ready["STATUS"] == "ate.dev/kvm: 4/4 healthy, registered", ready
-                assert configmod.load(kept_copy) == current[0]
-            assert not kept_copy.exists()
+                assert await announced() == current[0]
+            assert await announced() is None
         finally:
             await kubelet.stop()
             await notify.close()
@@ -391,24 +392,19 @@ class TestReload:
     async def test_probe_uses_the_running_config_when_the_file_is_broken(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
-        """`probe` on a config file that does not parse queries the running daemon with the config it runs
-        (its copy in the runtime directory) and says so, naming the file and its first error; with no
-        running daemon's copy it is a config error (78), as before."""
-        run_dir = tmp_path / "run"
-        run_dir.mkdir()
+        """`probe` on a config file that does not parse queries the daemon started from that file, with the
+        config it runs (its record's), and says so, naming the file and its first error; with no daemon
+        started from it, it is a config error (78), as before."""
         broken = write_config(tmp_path / "c.toml", plugin_dir, fake_root, KVM_COUNT_0)
-        env = subprocess_env(RUNTIME_DIRECTORY=str(run_dir))
-        status, _, err = await run_cli("probe", "--config", str(broken), env=env)
+        status, _, err = await run_cli("probe", "--config", str(broken))
         assert status == 78 and "count" in err, err
         config = kvm_config(plugin_dir, fake_root, count=8)
-        async with daemon_in_process(config, kernel, running_config=run_dir / "running-config.toml") as running:
+        async with daemon_in_process(config, kernel, source=broken) as running:
             await running.events.wait_for("ready")
-            status, out, err = await run_cli("probe", "--config", str(broken), "--timeout", "3", env=env)
+            status, out, err = await run_cli("probe", "--config", str(broken), "--timeout", "3")
             assert status == 0, (out, err)
-            assert err.startswith(
-                f"ate-devplugd: probing with the running daemon's config from {run_dir}/running-config.toml; "
-                f"{broken} does not parse: device[0] (ate.dev/kvm): count:"
-            ), err
+            assert err.startswith(f"ate-devplugd: probing the running daemon (pid {os.getpid()}, "), err
+            assert f"; {broken} does not load: device[0] (ate.dev/kvm): count:" in err, err
             (row,) = [line for line in out.splitlines() if line.startswith(RESOURCE)]
             assert "8/8" in row.split(), out
 

@@ -139,6 +139,13 @@ async def test_make_run_serves_a_scratch_directory_and_the_next_steps_work(tmp_p
             assert (run_dir / "ate-devplugd.prom").exists()
         else:  # no /dev/kvm: the device is absent and nothing is served
             assert b"no plugin sockets in" in probe_out
-        assert re.search(rf"^OK +config +{re.escape(str(run_dir))}/config.toml: ".encode(), doctor_out, re.M), (
+        # doctor describes the daemon `make run` started, the one that serves its config (by its record)
+        config = re.escape(str(run_dir))
+        assert re.search(rf"^OK +config +the running daemon's, {config}/config.toml: ".encode(), doctor_out, re.M), (
             doctor_out
         )
+        assert re.search(
+            rf"^OK +daemon +running \(pid \d+, device-plugin mode in {config}/device-plugins, ".encode(),
+            doctor_out,
+            re.M,
+        ), doctor_out

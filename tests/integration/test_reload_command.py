@@ -2,7 +2,9 @@
 on that reload, so every refusal fails it with the reason on stderr.
 
 The command runs as a real subprocess; the daemon runs on the test's loop (the command's SIGHUP reaches
-it through the loop's signal handler, as in the real process) or as a real subprocess of its own.
+it through the loop's signal handler, as in the real process) or as a real subprocess of its own. It
+finds the daemon by ``$MAINPID`` or by the config it serves, and waits for the verdict in the record the
+daemon announces on its instance lock.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import sys
 from pathlib import Path
 
 from ate_devplugd import config as configmod
+from ate_devplugd.commands import instance
 from ate_devplugd.config import Config
-from ate_devplugd.reload import result as reload_result
-from ate_devplugd.reload.result import Outcome
+from ate_devplugd.reload.result import Outcome, Result
 from tests.support import (
     FakeKernel,
     daemon,
     daemon_in_process,
     kvm_config,
+    record_of,
     run_cli,
     subprocess_env,
     wait_for_path,
@@ -40,45 +43,59 @@ RESTART_ONLY_FILE_LINE = (
 )
 
 
-def runtime_dir(tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    run.mkdir(exist_ok=True)
-    return run
-
-
 async def reload_in_process(
     tmp_path: Path, kernel: FakeKernel, config: Config, new: Config | Path, *, journal: bool = False
 ) -> tuple[int, str]:
-    """The daemon on this loop runs ``config``; ``ate-devplugd reload`` makes it reload ``new`` (a config,
-    or a file to load): the command's exit status and stderr (with ``journal``, a file that
-    ``$JOURNAL_STREAM`` names, as systemd gives ExecReload= the journal)."""
-    run = runtime_dir(tmp_path)
-    result = run / reload_result.FILE_NAME
+    """The daemon on this loop runs ``config``; ``ate-devplugd reload`` (with ``$MAINPID``, as the unit runs
+    it) makes it reload ``new`` (a config, or a file to load): the command's exit status and stderr (with
+    ``journal``, a file that ``$JOURNAL_STREAM`` names, as systemd gives ExecReload= the journal)."""
 
     def reload_config() -> Config:
         return configmod.load(new) if isinstance(new, Path) else new
 
-    async with daemon_in_process(
-        config, kernel, reload_config=reload_config, running_config=run / "running-config.toml", reload_result=result
-    ) as running:
+    async with daemon_in_process(config, kernel, reload_config=reload_config) as running:
         await running.events.wait_for("ready")
-        started = reload_result.read(str(result))
-        assert started is not None and (started.pid, started.generation, started.outcome) == (
-            os.getpid(),
-            0,
-            Outcome.STARTED,
-        )
-        env = subprocess_env(RUNTIME_DIRECTORY=str(run), MAINPID=str(os.getpid()))
+        started = await record_of(config)
+        assert started is not None and (started.pid, started.record.reload) == (os.getpid(), Result(0, Outcome.STARTED))
+        env = subprocess_env(MAINPID=str(os.getpid()))
         if journal:
             status, out, err = await run_with_journal(tmp_path / "journal", env)
         else:
             status, out, err = await run_cli("reload", "--timeout", "20", env=env)
         assert out == ""
-        after = reload_result.read(str(result))
-        assert after is not None and after.generation == 1, after
-        assert after.outcome is (Outcome.APPLIED if status == 0 else Outcome.REFUSED), (after, err)
-    assert not result.exists(), "the record outlived the daemon"
+        after = await record_of(config)
+        assert after is not None and after.record.reload.generation == 1, after
+        assert after.record.reload.outcome is (Outcome.APPLIED if status == 0 else Outcome.REFUSED), (after, err)
+    assert await record_of(config) is None, "the record outlived the daemon"
     return status, err
+
+
+#: A process that holds an instance lock and announces a record, as a daemon would, and ends on SIGHUP
+#: without a verdict (argv: the lock's directory).
+ENDS_ON_SIGHUP = """
+import asyncio, signal, socket, sys, time
+from ate_devplugd.base.announce import Announcer
+from ate_devplugd.config import Config, values
+from ate_devplugd.kubelet.lock import lock_name
+from ate_devplugd.reload import record
+from ate_devplugd.reload.result import Outcome, Result
+import os
+
+async def main():
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    sock.bind(lock_name(sys.argv[1]))
+    sock.listen(8)
+    cfg = Config(plugin_dir=sys.argv[1])
+    rec = record.Instance(os.getpid(), "0", "device-plugin", time.time(), "", {}, values(cfg), True, "", (),
+                          Result(0, Outcome.STARTED))
+    Announcer(sock, lambda: record.encode(rec))
+    hup = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hup.set)
+    print("ready", flush=True)
+    await hup.wait()
+
+asyncio.run(main())
+"""
 
 
 async def run_with_journal(path: Path, env: dict[str, str]) -> tuple[int, str, str]:
@@ -143,108 +160,98 @@ class TestVerdict:
         status, err = await reload_in_process(tmp_path, kernel, config, dataclasses.replace(config, mode="dra"))
         assert (status, err) == (1, RESTART_ONLY_LINE)
 
-    async def test_a_reload_running_when_signalled_is_not_the_verdict(self, tmp_path: Path) -> None:
-        """The record read before the signal is of a reload already running: its end is not this reload's
-        verdict, nor is another process's record; the next reload's end is."""
-        path = str(tmp_path / reload_result.FILE_NAME)
-        pid = os.getpid()
-        reload_result.write(path, reload_result.Result(pid, 3, Outcome.RELOADING))
-        after = reload_result.generation_of(path, pid)
-        assert after == 3
-        reload_result.write(path, reload_result.Result(pid, 3, Outcome.APPLIED))
-        assert await reload_result.wait(path, pid, after, 0.2) is None
-        reload_result.write(path, reload_result.Result(pid + 1, 9, Outcome.APPLIED))
-        assert await reload_result.wait(path, pid, after, 0.2) is None
-        waiting = asyncio.ensure_future(reload_result.wait(path, pid, after, 20))
-        reload_result.write(path, reload_result.Result(pid, 4, Outcome.RELOADING))
-        reload_result.write(path, reload_result.Result(pid, 4, Outcome.REFUSED, "reload refused: why"))
-        async with asyncio.timeout(10):
-            got = await waiting
-        assert got == reload_result.Result(pid, 4, Outcome.REFUSED, "reload refused: why")
-
-    async def test_no_verdict_within_the_timeout(self, tmp_path: Path) -> None:
-        path = str(tmp_path / reload_result.FILE_NAME)
-        reload_result.write(path, reload_result.Result(os.getpid(), 0, Outcome.STARTED))
-        assert await reload_result.wait(path, os.getpid(), 0, 0.2) is None
+    def test_a_reload_running_when_signalled_is_not_the_verdict(self) -> None:
+        """The result read before the signal is of a reload already running (or ended): its end is not this
+        reload's verdict; the end of the next one is."""
+        running = Result(3, Outcome.RELOADING)
+        assert not Result(3, Outcome.APPLIED).ended_after(running.generation)
+        assert not Result(4, Outcome.RELOADING).ended_after(running.generation)
+        assert Result(4, Outcome.REFUSED, "reload refused: why").ended_after(running.generation)
 
 
 class TestNoDaemon:
-    async def test_a_pid_that_runs_nothing(self, tmp_path: Path) -> None:
+    async def test_a_pid_that_runs_nothing(self) -> None:
         """A pid no process has: a clear line, exit 1."""
         gone = await asyncio.create_subprocess_exec("true")
         await gone.wait()
-        env = subprocess_env(RUNTIME_DIRECTORY=str(runtime_dir(tmp_path)))
-        status, _, err = await run_cli("reload", "--pid", str(gone.pid), env=env)
+        status, _, err = await run_cli("reload", "--pid", str(gone.pid))
         assert (status, err) == (1, f"ate-devplugd: no daemon to reload: no process {gone.pid} is running\n")
 
-    async def test_no_pid_and_no_record(self, tmp_path: Path) -> None:
-        """Neither $MAINPID nor a record of a running daemon: it says how to name one, exit 1."""
-        run = runtime_dir(tmp_path)
-        status, _, err = await run_cli("reload", env=subprocess_env(RUNTIME_DIRECTORY=str(run)))
+    async def test_no_pid_and_no_daemon(self, tmp_path: Path, plugin_dir: Path, fake_root: Path) -> None:
+        """Neither $MAINPID nor a daemon serving the config: it says so and how to name one, exit 1."""
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, fake_root)
+        status, _, err = await run_cli("reload", "--config", str(cfg))
         assert status == 1
-        assert err == (
-            f"ate-devplugd: no running daemon to reload: $MAINPID is not set and there is no record of one in "
-            f"{run}; give --pid, or use systemctl reload ate-devplugd\n"
-        )
+        assert err.startswith(f"ate-devplugd: no running daemon to reload: no ate-devplugd serves {plugin_dir}"), err
+        assert err.endswith("; give --pid, or use systemctl reload\n"), err
 
     async def test_the_daemon_ends_before_its_verdict(self, tmp_path: Path) -> None:
-        """A process that takes SIGHUP and ends: the wait ends with it, not at the timeout."""
-        run = runtime_dir(tmp_path)
-        sleeper = await asyncio.create_subprocess_exec("sleep", "60")
+        """A daemon that takes SIGHUP and ends: the wait ends with it (its record's socket closes), not at
+        the timeout."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ENDS_ON_SIGHUP, str(tmp_path), stdout=asyncio.subprocess.PIPE, env=subprocess_env()
+        )
         try:
-            result = run / reload_result.FILE_NAME
-            reload_result.write(str(result), reload_result.Result(sleeper.pid, 0, Outcome.STARTED))
-            env = subprocess_env(RUNTIME_DIRECTORY=str(run), MAINPID=str(sleeper.pid))
+            assert proc.stdout is not None
             async with asyncio.timeout(20):
-                status, _, err = await run_cli("reload", "--timeout", "60", env=env)
+                assert await proc.stdout.readline() == b"ready\n"
+                status, _, err = await run_cli("reload", "--timeout", "60", env=subprocess_env(MAINPID=str(proc.pid)))
             assert (status, err) == (
                 1,
-                f"ate-devplugd: the daemon (pid {sleeper.pid}) ended before it said how the reload went\n",
+                f"ate-devplugd: the daemon (pid {proc.pid}) ended before it said how the reload went\n",
             )
         finally:
-            if sleeper.returncode is None:
-                sleeper.send_signal(signal.SIGKILL)
-            await sleeper.wait()
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+
+    async def test_a_process_that_announces_no_record(self, tmp_path: Path, plugin_dir: Path, fake_root: Path) -> None:
+        """``--pid`` of a process that is no ate-devplugd of ours (it announces no record): it is signalled
+        all the same, and the command tells what the file says (its first error, exit 1; or no error,
+        exit 0 with a note that only its log knows more)."""
+        cfg = write_config(tmp_path / "c.toml", plugin_dir, fake_root)
+        ignoring = (
+            "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+        )
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", ignoring, stdout=asyncio.subprocess.PIPE)
+        try:
+            assert proc.stdout is not None
+            await proc.stdout.readline()
+            args = ("reload", "--pid", str(proc.pid), "--config", str(cfg))
+            status, _, err = await run_cli(*args)
+            assert status == 0 and err.startswith(f"ate-devplugd: signalled process {proc.pid} to reload"), err
+            cfg.write_text(cfg.read_text() + "count = 0\n")
+            status, _, err = await run_cli(*args)
+            assert status == 1 and err.startswith("ate-devplugd: config error: device[0] (ate.dev/kvm): count: 0"), err
+            assert proc.returncode is None
+        finally:
+            proc.kill()
+            await proc.wait()
 
 
 class TestRealDaemon:
-    async def test_under_a_runtime_directory(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-        """The daemon as the unit runs it ($RUNTIME_DIRECTORY): a good reload exits 0, a mode change 1 with
-        its line, and the daemon keeps running the config it had."""
-        run = runtime_dir(tmp_path)
-        cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
-        good = cfg.read_text()
-        async with daemon(cfg, env=subprocess_env(RUNTIME_DIRECTORY=str(run))) as proc:
-            await wait_for_path(run / reload_result.FILE_NAME, timeout=20)
-            env = subprocess_env(RUNTIME_DIRECTORY=str(run), MAINPID=str(proc.pid))
-            cfg.write_text(good.replace('path = "/dev/kvm"\n', 'path = "/dev/kvm"\ncount = 8\n'))
-            status, _, err = await run_cli("reload", env=env)
-            assert (status, err) == (0, ""), proc.log()
-            cfg.write_text('mode = "dra"\n' + good)
-            status, _, err = await run_cli("reload", env=env)
-            assert (status, err) == (1, RESTART_ONLY_FILE_LINE), proc.log()
-            running = configmod.load(run / "running-config.toml")
-            assert running.mode == "device-plugin" and running.devices[0].count == 8
-            assert proc.proc is not None and proc.proc.returncode is None
-            assert await proc.stop() == 0
-        assert not (run / reload_result.FILE_NAME).exists()
-
-    async def test_without_a_runtime_directory(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-        """A daemon run by hand keeps no record: the command signals it and tells what the file says (its
-        first error, exit 1; or no error, exit 0 with a note that only the daemon's log knows more)."""
-        run = tmp_path / "no-run-dir"
+    async def test_by_pid_and_by_config(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
+        """The daemon as a process (by the unit, or by hand: the same): a good reload exits 0, a mode change 1
+        with its line, and the daemon keeps running the config it had; found by ``$MAINPID`` or by the config
+        it serves."""
         cfg = write_config(tmp_path / "c.toml", plugin_dir, dev_root)
         good = cfg.read_text()
         async with daemon(cfg) as proc:
             await wait_for_path(plugin_dir / "ate.dev-kvm.sock", timeout=20)
-            env = subprocess_env(RUNTIME_DIRECTORY=str(run))
-            args = ("reload", "--pid", str(proc.pid), "--config", str(cfg))
-            status, _, err = await run_cli(*args, env=env)
-            assert status == 0 and err.startswith(f"ate-devplugd: signalled the daemon (pid {proc.pid}) to reload"), err
-            cfg.write_text(good + "count = 0\n")
-            status, _, err = await run_cli(*args, env=env)
-            assert (status, err.startswith("ate-devplugd: config error: device[0] (ate.dev/kvm): count: 0")) == (
-                1,
-                True,
-            ), err
+            env = subprocess_env(MAINPID=str(proc.pid))
+            cfg.write_text(good.replace('path = "/dev/kvm"\n', 'path = "/dev/kvm"\ncount = 8\n'))
+            status, _, err = await run_cli("reload", env=env)
+            assert (status, err) == (0, ""), proc.log()
+            # run's --log-level debug over the file's default is the daemon's reading of the file, no difference
+            applied = await instance.find(cfg)
+            assert applied.running is not None and applied.running.config.log_level == "debug"
+            assert applied.differences == (), applied.differences
+            cfg.write_text('mode = "dra"\n' + good)
+            status, _, err = await run_cli("reload", "--config", str(cfg))
+            assert (status, err) == (1, RESTART_ONLY_FILE_LINE), proc.log()
+            found = await instance.find(cfg)
+            assert found.running is not None and found.running.pid == proc.pid
+            assert found.running.config.mode == "device-plugin" and found.running.config.devices[0].count == 8
             assert proc.proc is not None and proc.proc.returncode is None
+            assert await proc.stop() == 0
+        assert (await instance.find(cfg)).running is None

@@ -1,15 +1,15 @@
-"""A node moved device-plugin -> DRA -> device-plugin with pods arriving throughout (issue 31), time scaled
-down by ``SCALE``: the real daemon in process (restarted as systemd would), the real ``switch-mode``
-command, and around them the fakes of dra-contract §10: kubelet's device manager (``FakeKubelet``: units
-unhealthy the moment the plugin goes), its node-status update on its own period (``NodeStatusReporter``,
-2-10 s scaled, varied per seed), its DRA plugin manager (``FakeDraKubelet``: slices deleted 30 s after a
-driver goes), its pod side (``PodKubelet``: admission on unhealthy units, the 5-minute endpoint grace and
-the checkpoint trap, unprepare through a registered driver only), and a scheduler choosing the path from
-the Node as last reported (``Scheduler``). Each restart meets a burst of pods created the moment the old
-daemon stopped (the issue's pod 1.3 s after the stop).
+"""A node moved device-plugin -> DRA -> device-plugin with pods arriving throughout, time scaled down by ``SCALE``:
+the real daemon in process (restarted as systemd would), the real ``switch-mode`` command, and around them the
+fakes of what a node meets when it changes mode (docs/switching.md): kubelet's device manager (``FakeKubelet``:
+units unhealthy the moment the plugin goes), its node-status update on its own period (``NodeStatusReporter``,
+2-10 s scaled, varied per seed), its DRA plugin manager (``FakeDraKubelet``: slices deleted 30 s after a driver
+goes), its pod side (``PodKubelet``: admission on unhealthy units, the 5-minute endpoint grace and the
+checkpoint trap, unprepare through a registered driver only), and a scheduler choosing the path from the Node as
+last reported (``Scheduler``). Each restart meets a burst of pods created the moment the old daemon stopped (as
+a pod 1.3 s after the stop was seen to fail on a real node).
 
 Every pod's path and wait is printed; the move by ``switch-mode`` loses none (0 failed, 0 stuck, 0
-undeletable), README's recipe (stop, edit, start) does. The seed is printed (``SWITCH_SEED`` sets it).
+undeletable), a plain move (stop, edit, start) does. The seed is printed (``SWITCH_SEED`` sets it).
 """
 
 from __future__ import annotations
@@ -69,17 +69,15 @@ class Outcome:
 class FakeSystemd:
     """``systemctl`` for the daemon in process: restart stops it, then starts one on the config's file."""
 
-    def __init__(self, config: Path, running: Path, kernel: FakeKernel, stopped: Callable[[], None]) -> None:
-        self._config, self._running, self._kernel, self._stopped = config, running, kernel, stopped
+    def __init__(self, config: Path, kernel: FakeKernel, stopped: Callable[[], None]) -> None:
+        self._config, self._kernel, self._stopped = config, kernel, stopped
         self._stack: contextlib.AsyncExitStack | None = None
         self.daemon: DaemonInProcess | None = None
 
     async def start(self) -> None:
         stack = contextlib.AsyncExitStack()
         cfg = configmod.load(self._config)
-        self.daemon = await stack.enter_async_context(
-            daemon_in_process(cfg, self._kernel, running_config=self._running)
-        )
+        self.daemon = await stack.enter_async_context(daemon_in_process(cfg, self._kernel, source=self._config))
         self._stack = stack
 
     async def stop(self, *, burst: bool = True) -> None:
@@ -152,9 +150,7 @@ async def node(
                 new_pod()
 
         loop = asyncio.get_running_loop()
-        running = base / "run" / "config.toml"
-        running.parent.mkdir()
-        systemd = FakeSystemd(config, running, kernel, burst)
+        systemd = FakeSystemd(config, kernel, burst)
         (base / "dra-mode.conf").write_text("[Service]\n")
         files = HostFiles(str(config), str(base / "systemd" / "ate-devplugd.service.d"), str(base / "dra-mode.conf"))
         arriving = True
@@ -172,7 +168,7 @@ async def node(
                 switch_files.write_mode(files, target)
                 await systemd.start()
             else:
-                host = switch.Host(files, str(running), systemd, say=print)
+                host = switch_files.Host(files, systemd, say=print)
                 status = await switch.switch_mode(target, configmod.load(config), host, switch.Timing(10.0, s(2.0)))
                 assert status == 0
             print(f"moved to {target} in {time.monotonic() - began:.2f} s")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from ate_devplugd import config as configmod
 from tests.fakes.kubelet import FakeKubelet
 from tests.support import NotifyReceiver, daemon, subprocess_env, wait_for_content, wait_for_path, write_config
 
@@ -290,8 +289,8 @@ class TestThreads:
 class TestUnitFile:
     def test_reload_waits_for_the_daemons_verdict(self) -> None:
         """ExecReload runs `ate-devplugd reload` with the daemon's pid: it signals the daemon and waits for
-        its verdict, so every refusal fails the reload job (its line logged as the daemon's); the runtime
-        directory is the one `probe` and `reload` read."""
+        its verdict, so every refusal fails the reload job (its line logged as the daemon's). The daemon
+        keeps nothing on disk for the commands (its record lives on its lock): no runtime directory."""
         directives: dict[str, list[str]] = {}
         for line in UNIT.read_text().splitlines():
             if re.match(r"[A-Za-z]+=", line):
@@ -299,5 +298,4 @@ class TestUnitFile:
                 directives.setdefault(key, []).append(value)
         assert directives["ExecReload"] == ["/usr/bin/ate-devplugd reload --pid $MAINPID"]
         assert directives["SyslogIdentifier"] == ["ate-devplugd"]
-        assert ["/run/" + directives["RuntimeDirectory"][0]] == [configmod.DEFAULT_RUNTIME_DIR]
-        assert configmod.running_config_path({}).startswith(configmod.DEFAULT_RUNTIME_DIR + "/")
+        assert "RuntimeDirectory" not in directives

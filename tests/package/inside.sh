@@ -218,29 +218,35 @@ runtime_asked() {
 }
 check "the runtime's CRI socket answers the sandboxed daemon: cdi-not-applied, STATUS" runtime_asked
 
+# The file has cdi = true and leaves container_mode to its default: compared by value with the config the
+# daemon's record holds, nothing differs (no "config file" warning, probe silent on stderr).
 doctor_says() {
-    local out rc
+    local out rc err
     out=$(ate-devplugd doctor --json); rc=$?
     printf '%s\n' "$out" >&2
+    err=$(ate-devplugd probe 2>&1 >/dev/null)
+    [ -z "$err" ] || { say "probe on the untouched file says: $err"; return 1; }
     [ "$rc" = 1 ] &&
         printf '%s' "$out" | python3 -c '
 import json, sys
 doc = json.load(sys.stdin)
 checks = {c["check"]: c for c in doc["checks"]}
 assert checks["daemon"]["level"] == "OK", checks["daemon"]
+assert "config file" not in checks, checks["config file"]
+assert checks["switch-mode"]["level"] == "OK", checks["switch-mode"]
 assert checks["socket ate.dev/kvm"]["level"] == "OK", checks["socket ate.dev/kvm"]
 assert checks["registered ate.dev/kvm"]["level"] == "OK", checks["registered ate.dev/kvm"]
 assert checks["runtime cdi"]["level"] == "FAIL", checks["runtime cdi"]
 assert "enable_cdi = true" in checks["runtime cdi"]["remedy"]
 '
 }
-check "ate-devplugd doctor --json: daemon, socket and registration OK; the runtime FAILs (exit 1)" doctor_says
+check "ate-devplugd doctor --json: daemon, socket and registration OK, the untouched file differs in nothing; the runtime FAILs (exit 1)" doctor_says
 systemctl stop fake-runtime.service 2>/dev/null
 
 # A broken config: the unit's ExecReload (`ate-devplugd reload`) signals the daemon, which refuses it
 # (STATUS ends with "reload refused HH:MM:SS: <first error>"), and waits for that verdict, so `systemctl
 # reload` itself fails; the error is in `systemctl status`. probe meanwhile uses the config the daemon
-# runs, from its runtime directory. A good reload afterwards clears the refusal from STATUS.
+# runs, from its record. A good reload afterwards clears the refusal from STATUS.
 reload_refused() {
     local pid c out rc=0 status
     pid=$(prop MainPID); c=$(cursor)
@@ -262,7 +268,7 @@ reload_refused() {
     printf '%s' "$status" | grep -q 'config error, keeping the running config: .*count: 0 must be' || rc=1
     out=$(ate-devplugd probe 2>&1 >/run/probe.out)
     say "probe on the broken file: $out"; cat /run/probe.out >&2
-    printf '%s' "$out" | grep -qF "probing with the running daemon's config from /run/ate-devplugd/running-config.toml; $conf does not parse: " ||
+    printf '%s' "$out" | grep -q "probing the running daemon (pid $pid, device-plugin mode in /var/lib/kubelet/device-plugins, .*; $conf does not load: " ||
         rc=1
     awk '$1 == "ate.dev/kvm" && $3 ~ /\/8$/ { found = 1 } END { exit !found }' /run/probe.out || rc=1
     is_running && expect_prop MainPID "$pid" || rc=1
@@ -300,8 +306,11 @@ reload_restart_only() {
     printf '%s' "$status" | grep -q "^ *Status: \".* | reload refused [0-9][0-9]:[0-9][0-9]:[0-9][0-9]: mode = 'dra'" ||
         { say "STATUS does not say the reload was refused"; rc=1; }
     is_running && expect_prop MainPID "$pid" || rc=1
-    grep -q '^mode = "device-plugin"$' /run/ate-devplugd/running-config.toml ||
-        { say "the running config is not device-plugin mode's any more"; rc=1; }
+    out=$(ate-devplugd probe 2>&1 >/dev/null)
+    printf '%s' "$out" | grep -qF "probing the running daemon (pid $pid, device-plugin mode in " ||
+        { say "the daemon does not run device-plugin mode any more: $out"; rc=1; }
+    printf '%s' "$out" | grep -qF "mode = 'dra' (switch-mode to apply)" ||
+        { say "probe does not name switch-mode for the file's new mode: $out"; rc=1; }
     cp -a /run/config.toml.good "$conf"
     systemctl reload "$unit" || { say "the good config's reload failed"; rc=1; }
     wait_for 30 sh -c "! systemctl show -P StatusText $unit | grep -q 'reload refused'" ||

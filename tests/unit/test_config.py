@@ -59,6 +59,27 @@ class TestDefaults:
         assert 'container_gid = "kvm"' in text and "container_mode = 0o660" in text
         assert config.parse(text, gid_of={"kvm": 107}.__getitem__) == cfg
 
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "",
+            KVM + "cdi = true\n",
+            KVM + 'cdi = "required"\ncontainer_uid = 1000\ncontainer_gid = "kvm"\n',
+            'mode = "dra"\n[dra]\nnode_name = "n1"\n',
+            'mode = "dra"\n[dra]\nnode_name = "n1"\nsharing = "shared"\n' + KVM,
+            '[dra]\nnode_name = "n1"\nsharing = "units"\ndevices = 4\n' + KVM + 'probe = "kvm"\n',
+        ],
+    )
+    def test_values_round_trip(self, text: str) -> None:
+        """A config's values (what the daemon's record holds) read back to the same config, and the values
+        of a file that writes out a default are those of one that leaves it unset: compared by value, an
+        untouched file never differs from what runs (container_mode, a DRA mode's CDI, the host's name)."""
+        lookup = {"kvm": 107}.__getitem__
+        cfg = config.parse(text, gid_of=lookup)
+        assert config.from_mapping(config.values(cfg), lookup) == cfg
+        explicit = config.parse(config.render(cfg), gid_of=lookup)
+        assert explicit == cfg and config.values(explicit) == config.values(cfg)
+
     def test_cdi_keys(self) -> None:
         """cdi = true alone: mode 0666 in the container, no owner; a group name becomes the host's gid."""
         (plain,) = config.parse(KVM + "cdi = true\n").devices
@@ -261,11 +282,6 @@ class TestRestartOnly:
         """plugin_dir and the [dra] table (even in device-plugin mode, where it is only checked)."""
         line = config.restart_only_change(config.parse(before + KVM), config.parse(after + KVM))
         assert line == f"{named}: changes only on restart, so nothing of this reload was applied"
-
-    def test_running_config_path(self) -> None:
-        """In $RUNTIME_DIRECTORY (its first entry) under systemd; /run/ate-devplugd otherwise."""
-        assert config.running_config_path({}) == "/run/ate-devplugd/running-config.toml"
-        assert config.running_config_path({"RUNTIME_DIRECTORY": "/run/x:/run/y"}) == "/run/x/running-config.toml"
 
 
 #: ``check-config`` as the command line runs it, in a fresh interpreter: its exit code and the modules it loaded.

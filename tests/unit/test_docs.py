@@ -260,3 +260,48 @@ def test_anchor_is_githubs() -> None:
     assert anchor("`ate-devplugd doctor`") == "ate-devplugd-doctor"
     assert anchor("The unit's drop-in, and reload") == "the-units-drop-in-and-reload"
     assert anchor("Proven on cgroup v2, and across restarts") == "proven-on-cgroup-v2-and-across-restarts"
+
+
+#: Where a file a doc names may be: the checkout, the package, the suites.
+MODULE_ROOTS = (ROOT, ROOT / "src" / "ate_devplugd", ROOT / "tests", ROOT / "bench")
+#: Every file of the checkout the docs may name by its base name alone.
+TREE_NAMES = {path.name for top in ("src", "tests", "bench", "packaging") for path in (ROOT / top).rglob("*.py")}
+
+
+def named_modules(text: str) -> set[str]:
+    """The Python files a text names in code spans (``cri/usable.py``, ``fault/test_x.py::test_y``)."""
+    return {m.split("::")[0] for m in re.findall(r"`+([A-Za-z0-9_./-]+\.py(?:::[^`\s]*)?)`+", text)}
+
+
+def test_every_module_a_doc_names_exists() -> None:
+    """A module or test file named in README, docs/, the man pages or a docstring of ours is in the tree."""
+    sources = [*DOCS, *(ROOT / "packaging" / "man").iterdir(), *(ROOT / "src" / "ate_devplugd").rglob("*.py")]
+    missing = []
+    for path in sources:
+        for name in sorted(named_modules(path.read_text())):
+            found = name in TREE_NAMES if "/" not in name else any((top / name).exists() for top in MODULE_ROOTS)
+            if not found:
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, "files named that do not exist:\n" + "\n".join(missing)
+
+
+#: Names of documents that are not in the repository (a reader of the project cannot open them), spelled so
+#: that this file does not name them itself.
+OUTSIDE = tuple(
+    word.replace("+", "")
+    for word in ("dra-con+tract", "kubelet-con+tract", "host-test+ing.md", "prior-a+rt.md", "sha+red/ref", "STY+LE.md")
+)
+
+
+def test_no_file_cites_a_document_outside_the_repository() -> None:
+    tracked = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    )
+    citing = []
+    for name in filter(None, tracked):
+        path = ROOT / name
+        if path.suffix in {".pyc", ".deb"} or "_pb" in path.parts or not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        citing += [f"{name}: {word}" for word in OUTSIDE if word in text]
+    assert not citing, "documents outside the repository cited:\n" + "\n".join(citing)

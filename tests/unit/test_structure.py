@@ -27,7 +27,7 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("signals", "sd_notify, the metrics and their file"),
     ("deviceplugin", "device-plugin mode"),
     ("dra", "DRA mode"),
-    ("reload", "reloads and the running daemon's runtime directory"),
+    ("reload", "reloads, and the record the running daemon keeps of itself"),
     ("daemon", "the daemon: the parts wired together on one loop"),
     ("commands", "the command line, and what the other commands run"),
 )

@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 from ate_devplugd.commands import switch_files
+from ate_devplugd.commands.instance import Found, Running
 from ate_devplugd.commands.switch_files import HostFiles, with_mode
-from ate_devplugd.config import ConfigError
+from ate_devplugd.config import ConfigError, parse, values
+from ate_devplugd.reload.record import Instance
+from ate_devplugd.reload.result import Outcome, Result
 
 ADDED = switch_files.ADDED
 
@@ -89,17 +92,25 @@ def test_dropin_linked_then_removed_leaves_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "ate-devplugd.service.d").exists()
 
 
-async def test_doctor_says_a_node_is_half_way(tmp_path: Path) -> None:
-    """The config's mode against the running daemon's copy of its own: a WARN with the ways on."""
+def running_in(mode: str) -> Running:
+    """A daemon's record as it announces it, running ``mode``."""
+    cfg = parse(f'mode = "{mode}"\n')
+    result = Result(0, Outcome.STARTED)
+    record = Instance(4242, "0", mode, 0.0, "/etc/c.toml", {}, values(cfg), True, "", (), result)
+    return Running(b"\0ate-devplugd/x", record, cfg)
+
+
+async def test_doctor_says_a_node_is_half_way() -> None:
+    """The file's mode against the mode of the daemon that serves it (its record, not its config read back
+    from a file: the two differ exactly when a node is half-way): a WARN with the ways on."""
     from ate_devplugd.commands.doctor import switch as doctor_switch
     from ate_devplugd.commands.findings import Level
-    from ate_devplugd.config import parse
 
-    running = tmp_path / "running.toml"
-    running.write_text('mode = "device-plugin"\n')
-    (found,) = await doctor_switch.findings(parse('mode = "dra"\n'), str(running), 1.0)
+    file = parse('mode = "dra"\n')
+    (found,) = await doctor_switch.findings(Found(file, (), running_in("device-plugin")), 1.0)
     assert found.level is Level.WARN and "half-way" in found.message
-    assert "switch-mode dra" in found.remedy and "switch-mode device-plugin" in found.remedy
-    (found,) = await doctor_switch.findings(parse('mode = "device-plugin"\n'), str(running), 1.0)
+    assert "finish with `ate-devplugd switch-mode dra`" in found.remedy
+    assert "go back with `ate-devplugd switch-mode device-plugin`" in found.remedy
+    (found,) = await doctor_switch.findings(Found(file, (), running_in("dra")), 1.0)
     assert found.level is Level.OK
-    assert await doctor_switch.findings(parse(""), str(tmp_path / "none"), 1.0) == []
+    assert await doctor_switch.findings(Found(parse(""), (), None), 1.0) == []

@@ -143,7 +143,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             type=int,
             metavar="PID",
             help="the daemon's process (default: $MAINPID, as systemd gives it to ExecReload=, else the one "
-            "whose reload record is in its runtime directory)",
+            "that serves the --config file)",
         )
         reload.add_argument(
             "--timeout",

@@ -14,10 +14,11 @@ from __future__ import annotations
 import enum
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: The exit status of a run with a FAIL among its findings.
+#: The exit status of a run with a FAIL among its findings (and of a probe or a reload that failed).
 EXIT_FAILED = 1
 
 
@@ -35,6 +36,13 @@ class Finding:
     level: Level
     message: str
     remedy: str = ""
+
+
+def config_error(lines: Sequence[str]) -> int:
+    """A config that does not load: each error on stderr, and the exit status (78, EX_CONFIG)."""
+    for line in lines:
+        print(f"ate-devplugd: config error: {line}", file=sys.stderr)
+    return os.EX_CONFIG
 
 
 def ok(check: str, message: str) -> Finding:

@@ -29,11 +29,15 @@ and ``grant`` (the ClusterRole and its binding), to be applied once the policy i
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
+from ate_devplugd.commands.findings import config_error
 from ate_devplugd.config.dra import DraConfig
 from ate_devplugd.config.pools import API_VERSION, RESOURCE_ATTRIBUTE, class_name
 
@@ -247,3 +251,21 @@ def render(
         )
         text += yaml.safe_dump_all(access, sort_keys=False, explicit_start=True, width=4096)
     return text
+
+
+def main(args: argparse.Namespace) -> int:
+    """``dra-manifests``: the objects for the ``[dra]`` table of the config (its defaults without one)."""
+    from ate_devplugd import config as configmod  # noqa: PLC0415 - the config only once the line is read
+    from ate_devplugd.config import dra as dra_config  # noqa: PLC0415
+
+    try:
+        cfg = configmod.load(args.config)
+    except configmod.ConfigError as exc:
+        return config_error(exc.errors)
+    dra = cfg.dra or dra_config.from_mapping(None)[0]
+    resources = [dev.resource for dev in cfg.devices]
+    text = render(
+        dra, resources, with_access=not args.kubelet_credentials, stage=args.stage, refuse_multi=args.refuse_multi
+    )
+    sys.stdout.write(text)
+    return os.EX_OK

@@ -2,101 +2,67 @@
 
 The unit's ``ExecReload=`` runs it with the daemon's pid (``$MAINPID``), so that a reload the daemon
 refuses fails ``systemctl reload``, whatever the reason: a config error, a restart-only change, a socket
-another process serves. It reads the daemon's reload record in its runtime directory
-(``reload.result``), sends SIGHUP, and waits (on inotify events, with a timeout) for the daemon's verdict
-on this reload: nothing printed and True when it was applied; the first error on stderr and False when it
-was refused or failed, or when no verdict comes. When stderr is the journal (``ExecReload=``), where the
-daemon wrote each error already, the line says only that the reload was refused, not the error again.
+another process serves. It finds the daemon (by that pid, else as the daemon that serves the config it is
+given: ``commands.instance``), watches its record on the instance lock, sends SIGHUP, and waits for the
+daemon's verdict on this reload in the record: nothing printed and True when it was applied; the first
+error on stderr and False when it was refused or failed, when the daemon ends first, or when no verdict
+comes in time. When stderr is the journal (``ExecReload=``), where the daemon wrote each error already, the
+line says only that the reload was refused, not the error again.
 
-A daemon that keeps no record (run by hand: no runtime directory) is signalled all the same, and the
-command says what it can tell without it: the config file's own errors, as ``check-config`` finds them.
+A process given by ``--pid`` that announces no record (not an ate-devplugd of this version) is signalled all
+the same, and the command says what it can tell without one: the config file's own errors, as
+``check-config`` finds them.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import os
-import posixpath
 import signal
 import sys
 from collections.abc import Mapping
 
 from ate_devplugd import config as configmod
+from ate_devplugd.base import announce
 from ate_devplugd.base.logs import stderr_is_journal
+from ate_devplugd.commands import instance
+from ate_devplugd.commands.findings import EXIT_FAILED
 from ate_devplugd.config import ConfigError
-from ate_devplugd.reload import result as reload_result
-from ate_devplugd.reload.result import Outcome
+from ate_devplugd.reload import record
+from ate_devplugd.reload.result import Outcome, Result
+
+
+class _Ended(Exception):
+    """The daemon closed its record before the verdict: it ended."""
 
 
 def request(config_path: str | None, pid: int | None, timeout: float, environ: Mapping[str, str] = os.environ) -> bool:
-    """Reload the daemon ``pid`` (None: the one ``$MAINPID`` or its record names); True when it applied
-    the config (or, keeping no record, when the file has no error)."""
-    path = reload_result.path_in(posixpath.dirname(configmod.running_config_path(environ)))
-    pid = pid if pid is not None else _daemon_pid(environ, path)
-    if pid is None:
-        return _fail(
-            "no running daemon to reload: $MAINPID is not set and there is no record of one in "
-            f"{posixpath.dirname(path)}; give --pid, or use systemctl reload ate-devplugd"
-        )
-    record = reload_result.read(path)
-    # The reload this signal starts is numbered above the record's (one running now is the record).
-    after = record.generation if record is not None and record.pid == pid else None
+    """Reload the daemon ``pid`` (None: ``$MAINPID``'s, else the one serving ``config_path``); True when it
+    applied the config (or, announcing no record, when the file has no error)."""
+    pid = pid if pid is not None else _main_pid(environ)
+    if pid is not None:
+        running = next((r for r in asyncio.run(instance.every()) if r.pid == pid), None)
+        return _without_record(config_path, pid) if running is None else _verdict(running, timeout)
+    found = asyncio.run(instance.find(config_path))
+    if found.running is None:
+        return _fail(f"no running daemon to reload: {found.nobody()}; give --pid, or use systemctl reload")
+    return _verdict(found.running, timeout)
+
+
+def _verdict(running: instance.Running, timeout: float) -> bool:  # noqa: PLR0911 - one return per outcome
+    """Reload ``running`` and tell its verdict."""
     try:
-        pidfd = _pidfd(pid)
+        result = asyncio.run(_reload(running.name, timeout))
     except ProcessLookupError:
-        return _fail(f"no daemon to reload: no process {pid} is running")
-    try:
-        problem = _signal(pid, pidfd)
-        if problem is not None:
-            return _fail(problem)
-        if after is None:
-            return _without_record(config_path, pid, path)
-        return _verdict(path, pid, after, timeout, pidfd)
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
-
-
-def _pidfd(pid: int) -> int | None:
-    """A pidfd for the process (its end is then an event, and its pid cannot be taken by another one
-    while the command holds it); None where pidfds are not to be had. ``ProcessLookupError``: no such
-    process."""
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise
-    except OSError:
-        return None
-
-
-def _signal(pid: int, pidfd: int | None) -> str | None:
-    """SIGHUP to the process; why it could not be sent, or None."""
-    if pidfd is not None:
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGHUP)
-        except PermissionError:
-            pass  # a system-call filter may refuse this call itself; kill(2) below says if the signal may go
-        except ProcessLookupError:
-            return f"no daemon to reload: no process {pid} is running"
-        else:
-            return None
-    try:
-        os.kill(pid, signal.SIGHUP)
-    except ProcessLookupError:
-        return f"no daemon to reload: no process {pid} is running"
+        return _fail(f"no daemon to reload: no process {running.pid} is running")
     except PermissionError:
-        return f"cannot signal process {pid}: permission denied (run as root)"
-    return None
-
-
-def _verdict(path: str, pid: int, after: int, timeout: float, pidfd: int | None) -> bool:
-    """Wait for the daemon's record of this reload and tell it."""
-    try:
-        result = asyncio.run(reload_result.wait(path, pid, after, timeout, pidfd))
-    except ProcessLookupError:
-        return _fail(f"the daemon (pid {pid}) ended before it said how the reload went")
+        return _fail(f"cannot signal process {running.pid}: permission denied (run as root)")
+    except (_Ended, OSError):
+        return _fail(f"the daemon (pid {running.pid}) ended before it said how the reload went")
     if result is None:
-        return _fail(f"the daemon (pid {pid}) did not say how the reload went within {timeout:g} s")
+        return _fail(f"the daemon (pid {running.pid}) did not say how the reload went within {timeout:g} s")
     if result.outcome is not Outcome.APPLIED:
         if stderr_is_journal():  # ExecReload=: the daemon's own lines, each error once, are there already
             return _fail(f"reload {result.generation} {result.outcome.value}: the daemon's errors above say why")
@@ -104,17 +70,57 @@ def _verdict(path: str, pid: int, after: int, timeout: float, pidfd: int | None)
     return True
 
 
-def _daemon_pid(environ: Mapping[str, str], path: str) -> int | None:
-    """``$MAINPID`` (systemd sets it for ``ExecReload=``), else the pid of a running daemon's record."""
+async def _reload(name: bytes, timeout: float) -> Result | None:
+    """Watch the record on lock ``name``, signal its daemon, and return its verdict on that reload (None:
+    none within ``timeout``)."""
+    try:
+        async with asyncio.timeout(timeout), contextlib.aclosing(announce.follow(name, timeout)) as records:
+            after: int | None = None
+            async for peer, line in records:
+                now = record.decode(line)
+                if now is None:
+                    continue
+                if after is None:  # the record as of our watch: the reload the signal starts comes after it
+                    after = now.reload.generation
+                    _signal(peer.pid)
+                elif now.reload.ended_after(after):
+                    return now.reload
+    except TimeoutError:
+        return None
+    raise _Ended
+
+
+def _signal(pid: int) -> None:
+    """SIGHUP to the process (through a pidfd where there is one, so the pid cannot have been reused)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except OSError:
+        os.kill(pid, signal.SIGHUP)
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGHUP)
+    except PermissionError:  # a system-call filter may refuse this call itself; kill(2) says if the signal may go
+        os.kill(pid, signal.SIGHUP)
+    finally:
+        os.close(pidfd)
+
+
+def _main_pid(environ: Mapping[str, str]) -> int | None:
+    """``$MAINPID``: systemd sets it for ``ExecReload=``."""
     value = environ.get("MAINPID", "")
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    record = reload_result.read(path)
-    return record.pid if record is not None and _running(record.pid) else None
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def _without_record(config_path: str | None, pid: int, path: str) -> bool:
-    """The daemon keeps no record: what the file says is all there is to tell."""
+def _without_record(config_path: str | None, pid: int) -> bool:
+    """The process announces no record: what the file says is all there is to tell."""
+    try:
+        _signal(pid)
+    except ProcessLookupError:
+        return _fail(f"no daemon to reload: no process {pid} is running")
+    except PermissionError:
+        return _fail(f"cannot signal process {pid}: permission denied (run as root)")
     try:
         configmod.load(config_path)
         errors: list[str] = []
@@ -123,23 +129,18 @@ def _without_record(config_path: str | None, pid: int, path: str) -> bool:
     if errors:
         return _fail(f"config error: {errors[0]}")
     print(
-        f"ate-devplugd: signalled the daemon (pid {pid}) to reload; it keeps no record at {path} (not run by "
-        "systemd), so only its log and STATUS say whether it applied the config, which has no error",
+        f"ate-devplugd: signalled process {pid} to reload; it announces no record of an ate-devplugd, so only "
+        "its log says whether it applied the config, which has no error",
         file=sys.stderr,
     )
-    return True
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
 def _fail(line: str) -> bool:
     print(f"ate-devplugd: {line}", file=sys.stderr)
     return False
+
+
+def main(args: argparse.Namespace) -> int:
+    """``reload`` (before the config is read: the daemon reads it, and says what it found)."""
+    return os.EX_OK if request(args.config, args.pid, args.timeout) else EXIT_FAILED

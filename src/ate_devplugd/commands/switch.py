@@ -16,17 +16,29 @@ default): get and patch its own Node, list and watch the pods on it, list, watch
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ate_devplugd import config as configmod
 from ate_devplugd.base.logs import EventLog
-from ate_devplugd.commands import switch_files
-from ate_devplugd.commands.switch_files import CORDON_ANNOTATION, CORDON_VALUE, HostFiles
+from ate_devplugd.commands import instance, switch_files, switch_wait
+from ate_devplugd.commands.findings import config_error
+from ate_devplugd.commands.switch_files import (
+    CORDON_ANNOTATION,
+    CORDON_VALUE,
+    UNIT,
+    Host,
+    HostFiles,
+    SwitchFailed,
+    run_systemctl,
+)
+from ate_devplugd.commands.switch_wait import Wait
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.config.dra import DraConfig
 from ate_devplugd.dra import kubeconfig
@@ -45,32 +57,9 @@ EVENTS = (
     "switch-done",
     "switch-failed",
 )
-UNIT = "ate-devplugd.service"
 
 
-class SwitchFailed(Exception):
-    """A step did not complete; the message says which and why."""
-
-
-async def run_systemctl(command: str, *args: str) -> None:
-    """``systemctl ARGS`` (``command`` names the binary); SwitchFailed when it fails."""
-    proc = await asyncio.create_subprocess_exec(command, *args)
-    if await proc.wait() != 0:
-        raise SwitchFailed(f"{command} {' '.join(args)} exited {proc.returncode}")
-
-
-@dataclass
-class Host:
-    """What the command changes on the host, and how; a test gives its own."""
-
-    files: HostFiles = field(default_factory=HostFiles)
-    #: The running daemon's copy of its config (which mode it runs).
-    running_config: str = "/run/ate-devplugd/config.toml"
-    systemctl: Callable[..., Awaitable[None]] = field(default=lambda *a: run_systemctl("systemctl", *a))
-    say: Callable[[str], None] = print
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Timing:
     timeout: float = 300.0
     settle: float = 2.0
@@ -141,7 +130,7 @@ class Switch:
         """The config, the drop-in and the running daemon are in the target mode, the Node shows its path and
         carries no cordon of ours: a run again after a finished move changes nothing, not even the cordon."""
         files = self._host.files
-        if self._config.mode != self.target or switch_files.running_mode(self._host.running_config) != self.target:
+        if self._config.mode != self.target or await self._running_mode() != self.target:
             return False
         if self.target == "dra" and not switch_files.dropin_linked(files):
             return False
@@ -152,6 +141,11 @@ class Switch:
         selector = f"spec.nodeName={self._dra.node_name},spec.driver={self._dra.driver}"
         slices = (await self._api.request("GET", SLICES, params={"fieldSelector": selector})).get("items") or []
         return self._allocatable_wrong([node]) is None and self._slices_wrong(slices) is None
+
+    async def _running_mode(self) -> str | None:
+        """The mode of the daemon that serves the config, by its record (None: none serves it)."""
+        running = await instance.serving(self._config)
+        return running.record.mode if running is not None else None
 
     # -- 1 and 5: the cordon ------------------------------------------------------------------------
     async def _node(self) -> dict[str, Any]:
@@ -215,7 +209,7 @@ class Switch:
             else:
                 linked = switch_files.remove_dropin(files)
                 text += f"; drop-in {files.dropin} " + ("removed" if linked else "absent")
-        restart = changed or linked or switch_files.running_mode(self._host.running_config) != self.target
+        restart = changed or linked or await self._running_mode() != self.target
         if linked:
             await self._host.systemctl("daemon-reload")
         if restart:
@@ -270,48 +264,12 @@ class Switch:
     async def _until(
         self, path: str, selector: str, wrong: Callable[[list[dict[str, Any]]], str | None], what: str, hold: float = 0
     ) -> None:
-        """Until ``wrong`` of the listed items is None for ``hold`` seconds; listed again on each event of
-        a watch of the same items (no polling), for at most the timeout."""
         assert self._api is not None
-        api = self._api
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timing.timeout
-        changed = asyncio.Event()
 
-        async def follow() -> None:
-            while True:
-                with contextlib.suppress(ApiError, ApiUnavailable):
-                    async for _ in api.watch(path, {"fieldSelector": selector, "timeoutSeconds": "300"}):
-                        changed.set()
-                await asyncio.sleep(0.5)  # the back-off before the watch is made again
+        def waiting(why: str) -> None:
+            self._host.say(f"switch-mode {self.target}: waiting: {why}")
 
-        watcher = loop.create_task(follow())
-        good_since: float | None = None
-        said = None
-        try:
-            while True:
-                changed.clear()
-                items = (await api.request("GET", path, params={"fieldSelector": selector})).get("items") or []
-                why, now = wrong(items), loop.time()
-                if why is None:
-                    good_since = now if good_since is None else good_since
-                    if now - good_since >= hold:
-                        return
-                    wake = good_since + hold
-                else:
-                    good_since, wake = None, deadline
-                    if why != said:
-                        self._host.say(f"switch-mode {self.target}: waiting: {why}")
-                        said = why
-                if now >= deadline:
-                    raise SwitchFailed(f"{what}: not within {self._timing.timeout:g} s: {why}")
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(wake, deadline) - now):
-                        await changed.wait()
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        await switch_wait.until(self._api, path, selector, wrong, Wait(what, self._timing.timeout, waiting, hold))
 
 
 def where_it_stands(switch: Switch, exc: str) -> list[str]:
@@ -338,3 +296,30 @@ async def switch_mode(target: str, config: Config, host: Host, timing: Timing) -
         switch.failed(text)
         return 1
     return os.EX_OK
+
+
+def main(args: argparse.Namespace) -> int:
+    """``switch-mode``, as the command line gives it: the config file's, its unit's drop-in, systemctl."""
+    from ate_devplugd.base import logs  # noqa: PLC0415
+
+    try:
+        cfg = configmod.load(args.config)
+    except ConfigError as exc:
+        return config_error(exc.errors)
+    if os.path.exists("/run/systemd/journal/socket"):  # each step's event in the journal, besides stdout
+        with contextlib.suppress(ImportError):
+            logger = logging.getLogger(__name__)
+            logger.addHandler(logs.JournalHandler())
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+    files = HostFiles(args.config or configmod.DEFAULT_CONFIG_PATH, args.dropin_dir, args.dropin_source)
+
+    async def systemctl(*words: str) -> None:
+        await run_systemctl(args.systemctl, *words)
+
+    if args.kubeconfig and cfg.dra is not None:
+        cfg = dataclasses.replace(cfg, dra=dataclasses.replace(cfg.dra, kubeconfig=args.kubeconfig))
+    try:
+        return asyncio.run(switch_mode(args.mode, cfg, Host(files, systemctl), Timing(args.timeout, args.settle)))
+    except ConfigError as exc:
+        return config_error(exc.errors)

@@ -9,12 +9,14 @@ drop-in is a symlink to the packaged ``dra-mode.conf``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import posixpath
 import re
 import stat
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from ate_devplugd import config as configmod
 from ate_devplugd.base.atomicfile import replace_file
@@ -26,6 +28,7 @@ CORDON_VALUE = "switch-mode"
 DROPIN_DIR = "/etc/systemd/system/ate-devplugd.service.d"
 DROPIN_SOURCE = "/usr/share/ate-devplugd/dra-mode.conf"
 DROPIN_NAME = "dra-mode.conf"
+UNIT = "ate-devplugd.service"
 
 #: A top-level ``mode = ...`` line (before any table header), with whatever comment follows it.
 _MODE_LINE = re.compile(r'^[ \t]*mode[ \t]*=[ \t]*("[^"\n]*"|\'[^\'\n]*\')(?P<rest>[ \t]*(#[^\n]*)?)$', re.MULTILINE)
@@ -45,6 +48,26 @@ class HostFiles:
     @property
     def dropin(self) -> str:
         return posixpath.join(self.dropin_dir, DROPIN_NAME)
+
+
+class SwitchFailed(Exception):
+    """A step did not complete; the message says which and why."""
+
+
+async def run_systemctl(command: str, *args: str) -> None:
+    """``systemctl ARGS`` (``command`` names the binary); SwitchFailed when it fails."""
+    proc = await asyncio.create_subprocess_exec(command, *args)
+    if await proc.wait() != 0:
+        raise SwitchFailed(f"{command} {' '.join(args)} exited {proc.returncode}")
+
+
+@dataclass
+class Host:
+    """What the command changes on the host, and how; a test gives its own."""
+
+    files: HostFiles = field(default_factory=HostFiles)
+    systemctl: Callable[..., Awaitable[None]] = field(default=lambda *a: run_systemctl("systemctl", *a))
+    say: Callable[[str], None] = print
 
 
 def with_mode(text: str, mode: str) -> str:
@@ -112,12 +135,3 @@ def remove_dropin(files: HostFiles) -> bool:
     with contextlib.suppress(OSError):  # not empty: other drop-ins of the operator's
         os.rmdir(files.dropin_dir)
     return True
-
-
-def running_mode(path: str) -> str | None:
-    """The mode of the running daemon, from the copy of its config in its runtime directory (None: no
-    daemon runs, or its copy does not parse)."""
-    try:
-        return configmod.load(path).mode
-    except configmod.ConfigError:
-        return None

@@ -36,14 +36,12 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 #: node_exporter's textfile directory on Debian, and our file in it.
 DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-#: Where the daemon keeps the config it runs (the unit's RuntimeDirectory=; systemd passes it as
-#: $RUNTIME_DIRECTORY), for `probe` when the file on disk does not parse.
-DEFAULT_RUNTIME_DIR = "/run/ate-devplugd"
-RUNNING_CONFIG_NAME = "running-config.toml"
 #: Keys a reload cannot change: the plugin directory (the instance lock and the sockets' home), the mode
 #: and the ``[dra]`` table (a new mode would read the devices under other rules: DRA mode gives each a CDI
 #: spec).
 RESTART_ONLY = ("plugin_dir", "mode", "dra")
+#: The top-level keys, in the file's order.
+TOP_KEYS = ("plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket", "mode")
 
 __all__ = [
     "Config",
@@ -53,7 +51,7 @@ __all__ = [
     "parse",
     "render",
     "restart_only_change",
-    "running_config_path",
+    "values",
 ]
 
 
@@ -162,13 +160,6 @@ def restart_only_change(running: Config, new: Config) -> str | None:
     return f"{', '.join(parts)}: {verb} only on restart, so nothing of this reload was applied"
 
 
-def running_config_path(environ: Mapping[str, str] = os.environ) -> str:
-    """The running daemon's copy of its config: in $RUNTIME_DIRECTORY (its first entry) when systemd
-    set it, else in ``DEFAULT_RUNTIME_DIR``."""
-    runtime_dir = environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or DEFAULT_RUNTIME_DIR
-    return posixpath.join(runtime_dir, RUNNING_CONFIG_NAME)
-
-
 def load(
     path: str | os.PathLike[str] | None, gid_of: GroupLookup = host_gid, overrides: Overrides | None = None
 ) -> Config:
@@ -209,8 +200,7 @@ def from_mapping(
 ) -> Config:
     """Validate an already-parsed mapping (the TOML document)."""
     errors: list[str] = []
-    known = {"plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket", "device", "mode"}
-    known.add("dra")
+    known = {*TOP_KEYS, "device", "dra"}
     errors.extend(f"unknown key {toml_value(key)}" for key in data if key not in known)
     top: dict[str, Any] = {}
     for key in ("plugin_dir", "dev_root", "cdi_dir"):
@@ -325,17 +315,22 @@ def _log_level(key: str, value: object, errors: list[str]) -> str:
     return "info"
 
 
+def values(config: Config) -> dict[str, Any]:
+    """The config as the TOML document's keys, each with the value in effect (a default the file leaves
+    unset is written out): ``from_mapping`` reads it back to the same Config, and two configs that mean
+    the same have the same values."""
+    out: dict[str, Any] = {key: getattr(config, key) for key in TOP_KEYS}
+    out["device"] = [device_config.values(dev) for dev in config.devices]
+    if config.dra is not None:
+        from ate_devplugd.config import dra as dra_config  # noqa: PLC0415
+
+        out["dra"] = dra_config.values(config.dra)
+    return out
+
+
 def render(config: Config) -> str:
     """The effective configuration, as TOML that ``parse`` reads back to the same Config."""
-    lines = [
-        f"plugin_dir = {toml_str(config.plugin_dir)}",
-        f"dev_root = {toml_str(config.dev_root)}",
-        f"log_level = {toml_str(config.log_level)}",
-        f"cdi_dir = {toml_str(config.cdi_dir)}",
-        f"metrics_file = {toml_str(config.metrics_file)}",
-        f"runtime_socket = {toml_str(config.runtime_socket)}",
-    ]
-    lines.append(f"mode = {toml_str(config.mode)}")
+    lines = [f"{key} = {toml_str(getattr(config, key))}" for key in TOP_KEYS]
     for dev in config.devices:
         lines += ["", *device_config.render(dev)]
     if config.dra is not None:

@@ -69,6 +69,10 @@ class DeviceConfig:
     #: ``container_gid`` as written when it is a group name (resolved on the host at each load).
     container_group: str | None = None
 
+    def __post_init__(self) -> None:  # the mode in effect: a table that leaves it unset means 0o666
+        if self.cdi and self.container_mode is None:
+            object.__setattr__(self, "container_mode", DEFAULT_CONTAINER_MODE)
+
     @property
     def socket_name(self) -> str:
         """Base name of this resource's plugin socket: ``ate.dev/kvm`` -> ``ate.dev-kvm.sock``."""
@@ -310,28 +314,35 @@ def _is_dev_path(path: object) -> bool:
     )
 
 
-def render(dev: DeviceConfig) -> list[str]:
-    """The table as TOML lines that ``tables`` reads back to the same DeviceConfig."""
-    lines = [
-        "[[device]]",
-        f"resource = {toml_str(dev.resource)}",
-        f"path = {toml_str(dev.path)}",
-        f"count = {dev.count}",
-        f"permissions = {toml_str(dev.permissions)}",
-        f"preopen = {'true' if dev.preopen else 'false'}",
-    ]
+def values(dev: DeviceConfig) -> dict[str, Any]:
+    """The table as the keys of a ``[[device]]`` table, each with the value in effect (a default the file
+    leaves unset is written out): ``tables`` reads it back to the same DeviceConfig."""
+    out: dict[str, Any] = {
+        "resource": dev.resource,
+        "path": dev.path,
+        "count": dev.count,
+        "permissions": dev.permissions,
+        "preopen": dev.preopen,
+    }
     if dev.probe is not None:
-        lines.append(f"probe = {toml_str(dev.probe)}")
-    lines.append(f"subsystem = {toml_str(dev.subsystem)}")
+        out["probe"] = dev.probe
+    out["subsystem"] = dev.subsystem
     if dev.cdi:
-        lines += [
-            f"cdi = {toml_str('required') if dev.cdi_required else 'true'}",
-            f"container_mode = 0o{dev.node_mode:03o}",
-        ]
+        out["cdi"] = "required" if dev.cdi_required else True
+        out["container_mode"] = dev.node_mode
         if dev.container_uid is not None:
-            lines.append(f"container_uid = {dev.container_uid}")
-        if dev.container_group is not None:
-            lines.append(f"container_gid = {toml_str(dev.container_group)}  # gid {dev.container_gid} here")
-        elif dev.container_gid is not None:
-            lines.append(f"container_gid = {dev.container_gid}")
+            out["container_uid"] = dev.container_uid
+        gid = dev.container_group if dev.container_group is not None else dev.container_gid
+        if gid is not None:
+            out["container_gid"] = gid
+    return out
+
+
+def render(dev: DeviceConfig) -> list[str]:
+    """The table as TOML lines (its ``values``), with the host's gid beside a group name."""
+    lines = ["[[device]]"]
+    for key, value in values(dev).items():
+        text = toml_str(value) if isinstance(value, str) else toml_value(value, octal=key == "container_mode")
+        gid = key == "container_gid" and dev.container_group is not None
+        lines.append(f"{key} = {text}" + (f"  # gid {dev.container_gid} here" if gid else ""))
     return lines

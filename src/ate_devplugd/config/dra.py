@@ -158,21 +158,29 @@ def _abs_path(key: str, value: object, errors: list[str]) -> str:
     return ""
 
 
-def render(config: DraConfig) -> str:
-    """The effective ``[dra]`` table as TOML (for ``check-config``)."""
-    lines = [
-        "[dra]",
-        f'driver = "{config.driver}"',
-        f'node_name = "{config.node_name}"',
-        f"kubeconfig = {toml_str(config.kubeconfig)}",
-        f"kubelet_dir = {toml_str(config.kubelet_dir)}",
-    ]
-    if config.sharing is None:
-        lines += FOLLOWS_CLUSTER
-    else:
-        lines.append(f'sharing = "{config.sharing}"')
+def values(config: DraConfig) -> dict[str, Any]:
+    """The ``[dra]`` table's keys, each with the value in effect (the node name the host gave included):
+    ``from_mapping`` reads it back to the same DraConfig."""
+    out: dict[str, Any] = {
+        "driver": config.driver,
+        "node_name": config.node_name,
+        "kubeconfig": config.kubeconfig,
+        "kubelet_dir": config.kubelet_dir,
+    }
+    if config.sharing is not None:
+        out["sharing"] = str(config.sharing)
     if config.sharing is not Layout.SHARED:
-        lines.append(f"devices = {config.devices}")
+        out["devices"] = config.devices
+    return out
+
+
+def render(config: DraConfig) -> str:
+    """The effective ``[dra]`` table as TOML (for ``check-config``), with what its layout means."""
+    lines = ["[dra]"]
+    for key, value in values(config).items():
+        if key == "devices" and config.sharing is None:
+            lines += FOLLOWS_CLUSTER
+        lines.append(f"{key} = {toml_str(value) if isinstance(value, str) else toml_value(value)}")
     if config.sharing is not Layout.UNITS:
         lines += SHARED_LIMITATION
     return "\n".join(lines) + "\n"

@@ -1,14 +1,16 @@
 """The daemon's lifecycle: start-up, the main loop, reload and shutdown, on one asyncio loop.
 
-Start-up takes the instance lock, then applies the config from nothing; a reload applies a re-read one
-over the running one. Both are ``Daemon._apply``: a plan (every step that can fail), then a commit (watch,
-then read the state, then serve: each socket proves it answers before it registers), the config swapped
-last (``daemon.apply``). READY=1 goes out once every present device has been served, kubelet there or
-not; the metrics file follows from then on, and so does the question to the container runtime whether it
-applies our CDI names (``cri.check``). The main loop sleeps until a signal's flag is set; the only timers
-are the watchdog ping, back-offs and coalescing delays (the metrics file, the heap's trim, the events of
-the runtime socket's directory and of CDI's, a device withheld or offered: ``cri.usable``). A reload is
-applied whole or not at all (``reload.decision``); ``reload.report`` says how each went.
+Start-up is a list of named steps (``daemon.steps``: each logged at debug with its time, each owing the
+shutdown step that undoes it): the instance lock, where the daemon's record of itself is announced from
+then on (``reload.record``); the devices and the mode; the config applied from nothing; READY. A reload
+applies a re-read config over the running one. Both are ``Daemon._apply``: a plan (every step that can
+fail), then a commit (watch, then read the state, then serve: each socket proves it answers before it
+registers), the config swapped last (``daemon.apply``). READY=1 goes out once every present device has
+been served, kubelet there or not; STATUS, the metrics file and the record follow every change from then
+on (``daemon.outputs``), and the container runtime is asked whether it applies our CDI names
+(``daemon.runtime``). The main loop sleeps until a signal's flag is set; the only timers are the
+watchdog ping, back-offs and coalescing delays. A reload is applied whole or not at all
+(``reload.decision``); ``reload.report`` says how each went.
 """
 
 from __future__ import annotations
@@ -17,84 +19,92 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Mapping
 
+from ate_devplugd import __version__
+from ate_devplugd import config as configmod
 from ate_devplugd.base.grpc_compat import grpc_runtime
 from ate_devplugd.base.logs import EventLog
-from ate_devplugd.base.malloc import Trim
 from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff
 from ate_devplugd.daemon import apply
 from ate_devplugd.daemon.apply import start_failure
 from ate_devplugd.daemon.modes import Modes
+from ate_devplugd.daemon.outputs import Outputs
+from ate_devplugd.daemon.runtime import RuntimeLink
+from ate_devplugd.daemon.steps import Steps
 from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError
 from ate_devplugd.kubelet.watch import KubeletWatch
 from ate_devplugd.node.devices import Resource
 from ate_devplugd.node.kernel import KernelView
 from ate_devplugd.node.watch import DeviceWatch, MonitorFactory
+from ate_devplugd.reload import record
 from ate_devplugd.reload.decision import ReloadRefused, accept, sockets_in_use
 from ate_devplugd.reload.report import ReloadReport
-from ate_devplugd.reload.rundir import RuntimeFiles
 from ate_devplugd.signals.metrics import Metrics
-from ate_devplugd.signals.notify import Notifier, watchdog_interval
-from ate_devplugd.signals.textfile import TextfileWriter
-
-if TYPE_CHECKING:
-    from ate_devplugd.cri.check import RuntimeCheck
-    from ate_devplugd.cri.facts import RuntimeReport
-    from ate_devplugd.cri.usable import Usability
+from ate_devplugd.signals.notify import Notifier
 
 log = logging.getLogger(__name__)
 
 
+class _Requests:
+    """What signals ask of the main loop (their handlers only set these), and its wake-up."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.reload = False
+        self.wake = asyncio.Event()
+
+
 class Daemon:
-    """Everything the running daemon owns; built once by the CLI (or a test) and given its dependencies."""
+    """Everything the running daemon owns; built once by the CLI (or a test) and given its dependencies.
+    ``source`` is the config file it was started from ("" for the built-in defaults) and ``overrides`` what
+    its command line set over it, for its record."""
 
     def __init__(
         self,
         config: Config,
         *,
+        source: str = "",
+        overrides: Mapping[str, str] | None = None,
         reload_config: Callable[[], Config] | None = None,
         kernel: KernelView | None = None,
         monitor_factory: MonitorFactory | None = None,
         notifier: Notifier | None = None,
-        running_config: str | None = None,
-        reload_result: str | None = None,
     ) -> None:
         self.config = config
+        self._source = (source, dict(overrides or {}))
         self._reload_config = reload_config
-        #: What `probe` and `reload` read in the runtime directory (the CLI gives the paths under systemd).
-        self._files = RuntimeFiles(running_config, reload_result)
-        self._kernel = kernel
-        self._monitor_factory = monitor_factory
-        self._notifier = notifier or Notifier.from_env()
+        #: The node's seams (a test's fake kernel and udev monitor), for the devices made at start.
+        self._seams = (kernel, monitor_factory)
+        self._started = time.time()
         self._events = EventLog(log)
         self._lock = InstanceLock.of(config)
-        self._metrics = Metrics()
-        self._trim = Trim()
-        self._metrics_file = TextfileWriter(config.metrics_file, self._metrics.render, after_write=self._trim.now)
+        self._out = Outputs(config, notifier or Notifier.from_env(), self._lock.changed)
         self._watch = KubeletWatch(config.plugin_dir, self._kubelet_started)
-        #: The runtime's check and what it makes usable: made once CDI is used (``_ask_runtime``).
-        self._runtime: RuntimeCheck | None = None
-        self._usable: Usability | None = None
-        self._reloads = ReloadReport(self._metrics, self._files)
+        self._runtime = RuntimeLink(
+            lambda: (self._devices, self.config), self._looked, self._out.metrics.set_runtime_cdi, self._update_status
+        )
+        self._reloads = ReloadReport(self._out.metrics, self._lock.changed)
         self._devices: DeviceWatch | None = None
         #: Device-plugin mode's sessions or DRA mode's driver, each with the other's part a move needs.
         self._mode: Modes | None = None
-        self._stop_requested = False
-        self._wake = asyncio.Event()
-        self._reload_requested = False
-        self._ready = False
+        self._steps = Steps()
+        self._requests = _Requests()
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._out.metrics
 
     # -- signals: handlers only set flags --------------------------------------------------------
     def request_stop(self) -> None:
-        self._stop_requested = True
-        self._wake.set()
+        self._requests.stop = True
+        self._requests.wake.set()
 
     def request_reload(self) -> None:
-        self._reload_requested = True
-        self._wake.set()
+        self._requests.reload = True
+        self._requests.wake.set()
 
     # -- the run ---------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -114,53 +124,37 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
     async def _run(self) -> int:
-        if not self._lock.acquire():
-            held = self._lock.directory
-            self._events.error("already-running", "another ate-devplugd is already running for %s; not starting", held)
-            return os.EX_CANTCREAT
-        watchdog: asyncio.Task[None] | None = None
         try:
             status = await self._start()
             if status != os.EX_OK:
                 return status
-            watchdog = self._start_watchdog()
             await self._main_loop()
-            self._notifier.stopping()
+            self._out.notifier.stopping()
             self._events.info("stopping", "stopping")
             return os.EX_OK
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
-            if self._runtime is not None and self._usable is not None:
-                await self._runtime.close()
-                self._usable.close()
-            if self._mode is not None:
-                await self._mode.stop()
-            self._metrics_file.close()
-            self._trim.close()
-            if self._devices is not None:
-                self._devices.close()
-            self._watch.close()
-            self._lock.release()
-            self._notifier.close()
-            self._files.forget()
+            await self._steps.stop()
 
     async def _start(self) -> int:
-        """Start: the config applied from nothing (``_apply``); else the exit status by its cause
-        (sysexits): 73 another process serves our sockets, 77 we may not, 71 any other error."""
-        busy = sockets_in_use(self.config, self.config.devices)
+        """Start, step by step; else the exit status by its cause (sysexits): 73 another process serves our
+        sockets, 77 we may not, 71 any other error."""
+        steps = self._steps
+        if not await steps.run("lock", lambda: self._lock.acquire(self._record)):
+            held = self._lock.directory
+            self._events.error("already-running", "another ate-devplugd is already running for %s; not starting", held)
+            return os.EX_CANTCREAT
+        steps.on_stop("lock", self._lock.release)
+        steps.on_stop("outputs", self._out.close)
+        steps.on_stop("kubelet watch", self._watch.close)
+        busy = await steps.run("sockets", lambda: sockets_in_use(self.config, self.config.devices))
         for msg in busy:
             self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
         if busy:
             return os.EX_CANTCREAT
-        self._devices = DeviceWatch(
-            self.config, self._looked, self._kernel, self._monitor_factory, self._metrics.cdi_spec_rewrite
-        )
-        registry = self._devices.registry
-        # The mode before the first look: it reports what each look means to kubelet (its gauges).
-        self._mode = Modes(self.config, registry, self._watch, self._metrics, self._update_status)
+        await steps.run("devices", self._make_devices)
+        await steps.run("modes", self._make_modes)
         try:
-            await self._apply(None, self.config)
+            await steps.run("apply", lambda: self._apply(None, self.config))
         except NoPermissionError as exc:
             self._events.error("no-permission", "%s; not starting", exc)
             return os.EX_NOPERM
@@ -171,116 +165,97 @@ class Daemon:
             else:
                 self._events.error("serve-failed", "%s; not starting", line)
             return status
+        steps.on_stop("runtime", self._runtime.close)
+        await steps.run("watchdog", self._out.start_watchdog)
         return os.EX_OK
+
+    def _make_devices(self) -> None:
+        kernel, monitor_factory = self._seams
+        metrics = self._out.metrics
+        self._devices = DeviceWatch(self.config, self._looked, kernel, monitor_factory, metrics.cdi_spec_rewrite)
+        self._steps.on_stop("devices", self._devices.close)
+
+    def _make_modes(self) -> None:
+        assert self._devices is not None
+        # The mode before the first look: it reports what each look means to kubelet (its gauges).
+        registry = self._devices.registry
+        self._mode = Modes(self.config, registry, self._watch, self._out.metrics, self._update_status)
+        self._steps.on_stop("modes", self._mode.stop)
 
     # -- applying a config: at start and on reload -------------------------------------------------
     async def _apply(self, old: Config | None, new: Config) -> None:
         """Run ``new`` instead of ``old`` (None at start: from nothing), as ``daemon.apply`` plans and
-        commits it; then the config is swapped, with its copy for ``probe``, and what follows it: READY=1
-        at start, the metrics file, the container runtime asked again, the outcome for ``reload``. A
-        reload gets here only once ``reload.decision.accept`` took the new config."""
+        commits it; then the config is swapped, and what follows it: READY=1 at start, the metrics file,
+        the container runtime asked again, the outcome in the record. A reload gets here only once
+        ``reload.decision.accept`` took the new config."""
         assert self._mode is not None and self._devices is not None
         step = apply.plan(old, new, self._watch, self._devices)
-        await apply.commit(step, self._mode, self._devices, self._metrics)
+        await apply.commit(step, self._mode, self._devices, self._out.metrics)
         self.config = new
-        self._files.keep_config(new)
         self._running(old is None, step.change)
 
     def _running(self, first: bool, change: ConfigDiff) -> None:
         """After the swap: say so, then what follows the config it runs."""
         if first:
-            self._ready = True
-            self._notifier.ready(self.status_line())
+            self._out.say_ready(self.status_line())
             self._events.info("ready", "ready: %s", self.status_line())
-            # Metrics from now on: the first write comes after READY.
-            self._metrics.on_change = self._counted
-        self._metrics_file.enable(self.config.metrics_file)
-        self._ask_runtime()
-        if first:
-            self._reloads.started()
-        else:
+        self._out.follow(self.config)
+        self._runtime.ask()
+        if not first:
             self._reloads.applied(change)
-
-    def _counted(self, prompt: bool = False) -> None:
-        """A change the metrics count (a registration, an Allocate, ...): the metrics file follows, and the
-        heap is trimmed once the burst has passed: after the file's coalesced write, else on its own timer."""
-        self._metrics_file.changed(prompt)
-        if not self._metrics_file.enabled:
-            self._trim.poke()
 
     def _looked(self, resource: Resource, event: str | None) -> None:
         """After each look at a device (its CDI spec written) and each change of its withholding: whether
         it is usable (``cri.usable``), the mode (and the metrics it reports), and STATUS when it changed."""
-        if self._runtime is not None and self._usable is not None:
-            self._usable.update(self._devices, self.config, self._runtime.report, self._runtime.spec_problems)
+        self._runtime.decide()
         if self._mode is not None:
             self._mode.looked(resource)
         if event is not None:
             self._update_status()
 
     def _kubelet_started(self) -> None:
-        self._metrics.kubelet_restart()
-        self._ask_runtime()
-
-    def _ask_runtime(self) -> None:
-        """Ask the container runtime whether it applies our CDI names (at start, on reload, when kubelet
-        starts; the check follows the runtime's own restarts by itself). It never delays anything."""
-        cfg = self.config
-        if self._runtime is None:
-            if not cfg.checks_runtime:
-                return
-            from ate_devplugd.cri.check import RuntimeCheck  # noqa: PLC0415 - the CRI modules only once CDI is used
-            from ate_devplugd.cri.usable import Usability  # noqa: PLC0415
-
-            self._runtime = RuntimeCheck(self._runtime_report)
-            self._usable = Usability(self._looked, self._metrics.set_runtime_cdi)
-        self._runtime.start(
-            socket=cfg.runtime_socket,
-            cdi_dir=cfg.cdi_dir,
-            mode=cfg.mode,
-            enabled=cfg.checks_runtime,
-            devices=cfg.devices,
-        )
-
-    def _runtime_report(self, report: RuntimeReport | None) -> None:
-        assert self._runtime is not None and self._usable is not None
-        self._usable.update(self._devices, self.config, report, self._runtime.spec_problems)
-        self._update_status()
+        self._out.metrics.kubelet_restart()
+        self._runtime.ask()
 
     async def _main_loop(self) -> None:
-        while not self._stop_requested:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._reload_requested and not self._stop_requested:
-                self._reload_requested = False
-                self._notifier.reloading()
+        requests = self._requests
+        while not requests.stop:
+            await requests.wake.wait()
+            requests.wake.clear()
+            if requests.reload and not requests.stop:
+                requests.reload = False
+                self._out.notifier.reloading()
                 await self.reload()
-                self._notifier.ready(self.status_line())
+                self._out.notifier.ready(self.status_line())
 
-    def _start_watchdog(self) -> asyncio.Task[None] | None:
-        interval = watchdog_interval()
-        if interval is None or not self._notifier.enabled:
-            return None
-
-        async def ping() -> None:
-            while True:
-                self._notifier.watchdog()
-                await asyncio.sleep(interval)
-
-        return asyncio.get_running_loop().create_task(ping(), name="watchdog")
-
-    # -- status ----------------------------------------------------------------------------------
+    # -- what it says of itself ------------------------------------------------------------------
     def status_line(self) -> str:
         """STATUS=: one part per resource in device-plugin mode, the driver's state in DRA mode; then what
         the runtime does with CDI names, once it has answered."""
         parts = [self._mode.status_line() if self._mode is not None else "starting"]
-        if self._runtime is not None:
-            parts += self._runtime.status_parts()
+        parts += self._runtime.status_parts()
         return " | ".join(parts if self._reloads.note is None else [*parts, self._reloads.note])
 
     def _update_status(self) -> None:
-        if self._ready:
-            self._notifier.status(self.status_line())
+        self._out.status(self.status_line())
+
+    def _record(self) -> bytes:
+        """The record announced on the instance lock (rendered only when someone is there to hear it)."""
+        served = tuple(record.Serving(*row) for row in self._out.metrics.served())
+        instance = record.Instance(
+            pid=os.getpid(),
+            version=__version__,
+            mode=self.config.mode,
+            started=self._started,
+            source=self._source[0],
+            overrides=self._source[1],
+            config=configmod.values(self.config),
+            ready=self._out.ready,
+            status=self.status_line(),
+            serving=served,
+            reload=self._reloads.last,
+        )
+        return record.encode(instance)
 
     # -- reload ----------------------------------------------------------------------------------
     async def reload(self) -> bool:

@@ -67,7 +67,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     ``withheld``: the path is kept registered with every unit Unhealthy whatever the device's state, and
     Allocate refuses. DRA mode serves one so that the Node shows allocatable 0 (the scheduler takes the DRA
     path) while kubelet still finds an endpoint for the name (kubelet 1.36 fails a DRA container's start
-    without one when its checkpoint holds an old device-plugin allocation: dra-contract §10).
+    without one when its checkpoint holds an old device-plugin allocation: kubelet's
+    ``pkg/kubelet/cm/devicemanager/manager.go``, ``isDevicePluginResource``; docs/switching.md).
     """
 
     def __init__(

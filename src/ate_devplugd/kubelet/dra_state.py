@@ -1,5 +1,6 @@
 """kubelet's DRA manager checkpoint, ``<kubelet_dir>/dra_manager_state``: whether kubelet still records a
-claim prepared on this node by a driver, so that unprepare is still owed to it (dra-contract §8).
+claim prepared on this node by a driver, so that unprepare is still owed to it (kubelet's
+``pkg/kubelet/cm/dra/manager.go``: unprepare needs the driver registered; docs/switching.md).
 
 Read as text, not parsed: the file is kubelet's, its layout versioned by kubelet; the driver's name in it
 is what matters (its claim entries carry it), and a name that is absent is a claim that is not there.

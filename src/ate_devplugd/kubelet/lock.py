@@ -7,15 +7,15 @@ daemon neither makes nor locks kubelet's device-plugin directory.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno
 import logging
 import os
 import posixpath
 import socket
-import struct
+from collections.abc import Callable
 
+from ate_devplugd.base import announce
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixserver import SocketInUseError, check_socket_free
@@ -89,8 +89,9 @@ def lock_name(plugin_dir: str) -> bytes:
 class InstanceLock:
     """An abstract unix socket named after the plugin directory: one daemon per directory.
 
-    Held, it answers each second daemon's probe on the loop (accepted and closed: the prober has read our
-    user at connect), so that refused starts never fill its queue and make it look like someone else's.
+    Held, it is where the daemon announces its record of itself (``base.announce``): each peer is told it,
+    and the daemon's own user may stay to hear each new one. A second daemon's probe is told it too and
+    closed, so refused starts never fill its queue and make it look like someone else's.
     """
 
     def __init__(self, plugin_dir: str) -> None:
@@ -98,6 +99,7 @@ class InstanceLock:
         self.directory = plugin_dir
         self.name = lock_name(plugin_dir)
         self._sock: socket.socket | None = None
+        self._announcer: announce.Announcer | None = None
 
     @classmethod
     def of(cls, config: Config) -> InstanceLock:
@@ -108,8 +110,19 @@ class InstanceLock:
             return cls(posixpath.dirname(config.dra.plugin_socket))
         return cls(config.plugin_dir)
 
-    def acquire(self) -> bool:
-        """Take the name (False: a daemon of ours holds it). Called on the running loop."""
+    @classmethod
+    def candidates(cls, config: Config) -> tuple[InstanceLock, ...]:
+        """The locks a daemon started from ``config`` may hold: its mode's first, then the other mode's
+        (a file whose ``mode`` changed since the daemon started names the directory it serves still)."""
+        first = cls.of(config)
+        others = [cls(config.plugin_dir)]
+        if config.dra is not None:
+            others.append(cls(posixpath.dirname(config.dra.plugin_socket)))
+        return (first, *(lock for lock in others if lock.name != first.name))
+
+    def acquire(self, render: Callable[[], bytes] = lambda: b"{}") -> bool:
+        """Take the name (False: a daemon of ours holds it), announcing there the record ``render`` makes.
+        Called on the running loop."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
             sock.bind(self.name)
@@ -130,37 +143,43 @@ class InstanceLock:
             )
             return True
         self._sock = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._answer_probes)
+        self._announcer = announce.Announcer(sock, render)
         return True
 
-    def _answer_probes(self) -> None:
-        assert self._sock is not None
-        while True:
-            try:
-                peer, _ = self._sock.accept()
-            except OSError:  # none left (EAGAIN), or the prober already gave up
-                return
-            peer.close()
+    def changed(self) -> None:
+        """The record changed: the peers that watch it hear the new one."""
+        if self._announcer is not None:
+            self._announcer.changed()
 
     def holder(self) -> tuple[int, int] | None:
         """(pid, uid) of the process holding the lock name (an ate-devplugd listens on it), if it answers."""
-        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        peer.settimeout(1.0)
-        try:
-            peer.connect(self.name)
-            creds = peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        except OSError:
-            return None
-        finally:
-            peer.close()
-        pid, uid, _gid = struct.unpack("3i", creds)
-        return int(pid), int(uid)
+        found = announce.holder(self.name)
+        return None if found is None else (found.pid, found.uid)
 
     def release(self) -> None:
+        if self._announcer is not None:
+            self._announcer.close()
+            self._announcer = None
         if self._sock is not None:
-            asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
+
+
+def held_names(net_unix: str = "/proc/self/net/unix") -> list[bytes]:
+    """Every instance lock name held on this host (listening sockets named ``@ate-devplugd/...``), in the
+    kernel's order: the daemons a command may find when none serves the config it was given."""
+    try:
+        with open(net_unix, "rb") as fh:
+            lines = fh.read().splitlines()[1:]
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split(None, 7)
+        # Num RefCount Protocol Flags Type St Inode Path; a listener has __SO_ACCEPTCON (0x10000) in Flags
+        if len(fields) == 8 and int(fields[3], 16) & 0x10000 and fields[7].startswith(b"@" + _LOCK_PREFIX[1:]):
+            found.append(b"\0" + fields[7][1:])
+    return found
 
 
 def busy_sockets(plugin_dir: str, devices: tuple[DeviceConfig, ...]) -> list[str]:

@@ -1,5 +1,5 @@
 """How each reload went, said everywhere it is said: the journal, the end of STATUS, the reload counters
-and the outcome record that ``ate-devplugd reload`` waits for.
+and the daemon's record of itself, where ``ate-devplugd reload`` waits for it (``reload.record``).
 
 Reloads are numbered from 1 (the start is 0). A reload that begins is recorded as ``reloading`` at once,
 so that a ``reload`` command that reads the record while one runs waits for the next; it ends
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config import ConfigDiff
 from ate_devplugd.reload.decision import ReloadRefused
-from ate_devplugd.reload.result import Outcome
-from ate_devplugd.reload.rundir import RuntimeFiles
+from ate_devplugd.reload.result import Outcome, Result
 from ate_devplugd.signals.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -26,22 +26,26 @@ log = logging.getLogger(__name__)
 class ReloadReport:
     """The daemon's account of its reloads."""
 
-    def __init__(self, metrics: Metrics, files: RuntimeFiles) -> None:
+    def __init__(self, metrics: Metrics, on_result: Callable[[], None]) -> None:
         self._metrics = metrics
-        self._files = files
+        self._on_result = on_result
         self._events = EventLog(log)
-        #: The number of the latest reload (0: none yet).
-        self.generation = 0
+        #: The latest reload's result (the start's until the first reload).
+        self.last = Result(0, Outcome.STARTED)
         #: The end of STATUS after a reload that was refused or failed, until the next good one.
         self.note: str | None = None
 
-    def started(self) -> None:
-        """The daemon runs its first config."""
-        self._files.record(self.generation, Outcome.STARTED)
+    @property
+    def generation(self) -> int:
+        """The number of the latest reload (0: none yet)."""
+        return self.last.generation
+
+    def _record(self, outcome: Outcome, error: str = "", generation: int | None = None) -> None:
+        self.last = Result(self.generation if generation is None else generation, outcome, error)
+        self._on_result()
 
     def begin(self) -> None:
-        self.generation += 1
-        self._files.record(self.generation, Outcome.RELOADING)
+        self._record(Outcome.RELOADING, generation=self.generation + 1)
 
     def applied(self, change: ConfigDiff) -> None:
         self.note = None
@@ -54,17 +58,17 @@ class ReloadReport:
             len(change.unchanged),
         )
         self._metrics.reload()
-        self._files.record(self.generation, Outcome.APPLIED)
+        self._record(Outcome.APPLIED)
 
     def refused(self, refusal: ReloadRefused) -> None:
         for line in refusal.journal_lines():
             self._events.error("reload-failed", "%s", line)
         self.note = f"reload refused {time.strftime('%H:%M:%S')}: {refusal.first}"
         self._metrics.reload_failed()
-        self._files.record(self.generation, Outcome.REFUSED, refusal.message())
+        self._record(Outcome.REFUSED, refusal.message())
 
     def failed(self, exc: Exception) -> None:
         self._events.error("reload-failed", "reload failed; the daemon keeps running", exc_info=True)
         self.note = f"reload failed {time.strftime('%H:%M:%S')}: {exc}"
         self._metrics.reload_failed()
-        self._files.record(self.generation, Outcome.FAILED, f"reload failed: {exc}")
+        self._record(Outcome.FAILED, f"reload failed: {exc}")

@@ -167,6 +167,12 @@ class Metrics:
     def resources(self) -> tuple[str, ...]:
         return tuple(self._resources)
 
+    def served(self) -> Iterator[tuple[str, int, int, bool, str]]:
+        """Each resource as kubelet is offered it: name, units, units Healthy, registered, withheld reason."""
+        for name, r in self._resources.items():
+            withheld = r.withheld.value if r.withheld is not None else ""
+            yield name, r.advertised_units, r.advertised_units * _usable(r), r.registered, withheld
+
     # -- resources ---------------------------------------------------------------------------------
     def add_resource(self, resource: str) -> None:
         """Create the resource's series (all zero); no-op if it has them."""

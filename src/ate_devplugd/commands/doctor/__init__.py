@@ -16,6 +16,8 @@ calls ``probe`` makes, the runtime gets the questions the daemon asks.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import errno
 import grp
 import os
@@ -28,13 +30,14 @@ from pathlib import Path
 
 from ate_devplugd import config as configmod
 from ate_devplugd.base.look import Look, look
-from ate_devplugd.commands import running as running_daemon
+from ate_devplugd.commands import findings as findings_mod
+from ate_devplugd.commands import instance
 from ate_devplugd.commands.doctor import daemon as doctor_daemon
 from ate_devplugd.commands.doctor import kubelet as doctor_kubelet
 from ate_devplugd.commands.doctor import runtime as doctor_runtime
 from ate_devplugd.commands.doctor import switch as doctor_switch
 from ate_devplugd.commands.findings import Finding, fail, ok, warn
-from ate_devplugd.config import Config, ConfigError
+from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.cri import ask as runtime_ask
 from ate_devplugd.cri import conflicts as cdi_conflicts
@@ -66,32 +69,35 @@ class Node:
 # -- the run ---------------------------------------------------------------------------------------
 
 
+def main(args: argparse.Namespace) -> int:
+    from ate_devplugd.node.kernel import UdevKernelView  # noqa: PLC0415 - pyudev only once the line is read
+
+    found = asyncio.run(examine(args.config, Node(kernel=UdevKernelView())))
+    print(findings_mod.render_json(found) if args.json else findings_mod.render(found))
+    return findings_mod.exit_status(found)
+
+
 async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> list[Finding]:
-    """Every check, in order, of the daemon that runs (its config; how the file differs) or, with none
-    running, of the file; a config that does not load is the only finding that stops the rest."""
-    daemon = running_daemon.find(config_path)
-    if daemon is not None:
-        cfg = daemon.config
-        findings = running_findings(daemon)
-    else:
-        try:
-            cfg = configmod.load(config_path)
-        except ConfigError as exc:
-            where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
-            remedy = "fix the file (ate-devplugd check-config)"
-            return [fail("config", line if where in line else f"{where}: {line}", remedy) for line in exc.errors]
-        source = str(config_path) if config_path else _default_source()
-        findings = [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    """Every check, in order, of the daemon that serves the file (its config; how the file differs) or,
+    with none running for it, of the file; a config that does not load and no daemon started from it is
+    the only finding that stops the rest."""
+    found = await instance.find(config_path)
+    cfg = found.config
+    if cfg is None:
+        where = str(config_path or configmod.DEFAULT_CONFIG_PATH)
+        remedy = "fix the file (ate-devplugd check-config)"
+        return [fail("config", line if where in line else f"{where}: {line}", remedy) for line in found.file_errors]
+    findings = config_findings(found, config_path)
     endpoint = runtime_ask.discover(cfg.runtime_socket, node.proc_root)
     report = await runtime_ask.ask(endpoint.socket, cfg.cdi_dir, TIMEOUT)
     dirs = cdi_conflicts.dirs_to_read(report.spec_dirs, cfg.cdi_dir)
     problems = cdi_conflicts.find(dirs, cfg.cdi_dir, cfg.devices)  # the same as the cdi specs lines
     for dev in cfg.devices:
         findings += device_findings(cfg, dev, node.kernel, report, problems)
-    findings += await doctor_daemon.findings(cfg, node.read_metrics, TIMEOUT)
+    findings += await doctor_daemon.findings(cfg, found, node.read_metrics, TIMEOUT)
     findings += await doctor_kubelet.findings(cfg, node.find_kubelet or doctor_kubelet.find_kubelet, node.mountinfo)
     findings += doctor_runtime.findings(cfg, report, endpoint)
-    findings += await doctor_switch.findings(cfg, configmod.running_config_path(), TIMEOUT)
+    findings += await doctor_switch.findings(found, TIMEOUT)
     if cfg.mode == "dra" and cfg.dra is not None:
         from ate_devplugd.commands.doctor import dra as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
 
@@ -99,18 +105,32 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
     return findings
 
 
-def running_findings(daemon: running_daemon.RunningDaemon) -> list[Finding]:
-    """The config the daemon runs; WARN when the file on disk differs, and when its last reload was not applied."""
-    cfg = daemon.config
-    out = [ok("config", f"the running daemon's, {daemon.source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
-    if daemon.file_error:
-        out.append(warn("config file", daemon.file_line(), "fix the file (ate-devplugd check-config)"))
-    elif daemon.differences:
-        remedy = "systemctl restart ate-devplugd" if daemon.restart else "systemctl reload ate-devplugd"
-        out.append(warn("config file", daemon.file_line(), remedy))
-    if daemon.refused:
-        out.append(warn("reload", f"the last reload was not applied: {daemon.refused}", "journalctl -u ate-devplugd"))
+def config_findings(found: instance.Found, config_path: str | os.PathLike[str] | None) -> list[Finding]:
+    """The config described: the running daemon's, with a WARN when the file on disk differs and when its
+    last reload was not applied; else the file's."""
+    running, cfg = found.running, found.config
+    assert cfg is not None
+    if running is None:
+        source = str(config_path) if config_path else _default_source()
+        return [ok("config", f"{source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    source = running.record.source or "built-in defaults"
+    out = [ok("config", f"the running daemon's, {source}: {len(cfg.devices)} device(s), {cfg.mode} mode")]
+    if found.file_error:
+        out.append(warn("config file", found.file_line(), "fix the file (ate-devplugd check-config)"))
+    elif found.differences:
+        out.append(warn("config file", found.file_line(), _apply_remedy(found)))
+    if running.refused:
+        out.append(warn("reload", f"the last reload was not applied: {running.refused}", "journalctl -u ate-devplugd"))
     return out
+
+
+def _apply_remedy(found: instance.Found) -> str:
+    """What applies the file's changes: a new mode is ``switch-mode``'s (a restart would lose the pods
+    arriving meanwhile), a restart-only change a restart, any other a reload."""
+    assert found.file is not None and found.running is not None
+    if found.file.mode != found.running.config.mode:
+        return f"ate-devplugd switch-mode {found.file.mode}"
+    return "systemctl restart ate-devplugd" if found.restart else "systemctl reload ate-devplugd"
 
 
 def _default_source() -> str:

@@ -1,10 +1,12 @@
 """``ate-devplugd doctor``: the daemon, running, its sockets answering as kubelet asks them, registered.
 
-The daemon is running when a process holds the plugin directory's instance lock. In device-plugin mode each
-resource's socket gets the calls ``probe`` makes (``commands.probe.deviceplugin.probe_socket``), and whether
-kubelet holds the resource is kubelet's own word: its pod-resources API says which units it offers. Where that
-API does not answer, and in DRA mode (where kubelet holds the driver's registration, not a resource's), the
-daemon's metrics file says what the daemon knows: read through ``read_metrics``, so a test gives it.
+The daemon is running when one serves the config (``commands.instance``: it holds the lock of the
+directory the config serves in); with none, the line names the daemons that serve other directories. In
+device-plugin mode each resource's socket gets the calls ``probe`` makes
+(``commands.probe.deviceplugin.probe_socket``), and whether kubelet holds the resource is kubelet's own
+word: its pod-resources API says which units it offers. Where that API does not answer, and in DRA mode
+(where kubelet holds the driver's registration, not a resource's), the daemon's metrics file says what
+the daemon knows: read through ``read_metrics``, so a test gives it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import TYPE_CHECKING
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import socket_answers
 from ate_devplugd.commands.findings import Finding, fail, ok, warn
+from ate_devplugd.commands.instance import Found
 from ate_devplugd.config import Config
-from ate_devplugd.kubelet.lock import InstanceLock
 from ate_devplugd.kubelet.watch import KUBELET_SOCKET
 
 if TYPE_CHECKING:
@@ -28,20 +30,11 @@ if TYPE_CHECKING:
 ReadMetrics = Callable[[str], str]
 
 
-def daemon_pid(cfg: Config) -> int | None:
-    """The pid of the ate-devplugd holding the instance lock of ``cfg``, None when none runs."""
-    holder = InstanceLock.of(cfg).holder()
-    return None if holder is None else holder[0]
-
-
-async def findings(cfg: Config, read_metrics: ReadMetrics, timeout: float) -> list[Finding]:
+async def findings(cfg: Config, found: Found, read_metrics: ReadMetrics, timeout: float) -> list[Finding]:
     """Running; its sockets answer as kubelet would ask them; kubelet holds its registration."""
-    pid = daemon_pid(cfg)
-    if pid is None:
-        return [
-            fail("daemon", "ate-devplugd is not running", "systemctl start ate-devplugd; journalctl -u ate-devplugd")
-        ]
-    out = [ok("daemon", f"running (pid {pid})")]
+    if found.running is None:
+        return [fail("daemon", found.nobody(), "systemctl start ate-devplugd; journalctl -u ate-devplugd")]
+    out = [ok("daemon", f"running ({found.running.describe()})")]
     if cfg.mode == "dra":
         return out + [dra_registration_finding(cfg, dev.resource, read_metrics) for dev in cfg.devices]
     from ate_devplugd.commands.probe import deviceplugin as nodeprobe  # noqa: PLC0415 - gRPC only when the daemon runs

@@ -1,6 +1,6 @@
-"""``doctor`` on a node half-way through ``switch-mode``: the config's mode against the running daemon's
-(from the copy of its config in its runtime directory), and, where the config has a ``[dra]`` table, a
-cordon that ``switch-mode`` put on the Node and has not lifted (its annotation), read with the ``[dra]``
+"""``doctor`` on a node half-way through ``switch-mode``: the file's mode against the mode of the daemon
+that serves it (its record: ``commands.instance``), and, where the config has a ``[dra]`` table, a cordon
+that ``switch-mode`` put on the Node and has not lifted (its annotation), read with the ``[dra]``
 kubeconfig. Either says how to finish the move and how to go back.
 """
 
@@ -10,39 +10,42 @@ import asyncio
 from typing import Any
 
 from ate_devplugd.commands.findings import Finding, ok, warn
-from ate_devplugd.commands.switch_files import CORDON_ANNOTATION, CORDON_VALUE, running_mode
-from ate_devplugd.config import Config
+from ate_devplugd.commands.instance import Found
+from ate_devplugd.commands.switch_files import CORDON_ANNOTATION, CORDON_VALUE
 from ate_devplugd.config.dra import DraConfig
 
 CHECK = "switch-mode"
 
 
-def _ways(mode: str) -> str:
-    other = "device-plugin" if mode == "dra" else "dra"
-    return f"finish with `ate-devplugd switch-mode {mode}`, or go back with `ate-devplugd switch-mode {other}`"
+def _ways(toward: str) -> str:
+    """How to finish a move toward ``toward`` (the mode the file names), and how to go back."""
+    back = "device-plugin" if toward == "dra" else "dra"
+    return f"finish with `ate-devplugd switch-mode {toward}`, or go back with `ate-devplugd switch-mode {back}`"
 
 
-async def findings(cfg: Config, running_config: str, timeout: float) -> list[Finding]:
-    found: list[Finding] = []
-    running = running_mode(running_config)
-    if running is not None and running != cfg.mode:
-        found.append(
+async def findings(found: Found, timeout: float) -> list[Finding]:
+    out: list[Finding] = []
+    file = found.file
+    running = found.running.record.mode if found.running is not None else None
+    toward = file.mode if file is not None else running
+    if file is not None and running is not None and toward is not None and running != file.mode:
+        out.append(
             warn(
                 CHECK,
-                f"half-way: the config says mode {cfg.mode}, the running daemon runs {running} mode",
-                _ways(cfg.mode),
+                f"half-way: the file says mode {file.mode}, the daemon runs {running} mode",
+                _ways(toward),
             )
         )
-    node = await _node(cfg.dra, timeout) if cfg.dra is not None else None
-    if cfg.dra is not None and node is not None:
+    cfg = file or found.config
+    dra = cfg.dra if cfg is not None else None
+    node = await _node(dra, timeout) if dra is not None else None
+    if dra is not None and node is not None and toward is not None:
         ours = (node.get("metadata", {}).get("annotations") or {}).get(CORDON_ANNOTATION) == CORDON_VALUE
         if ours and (node.get("spec") or {}).get("unschedulable"):
-            found.append(
-                warn(CHECK, f"node {cfg.dra.node_name} is cordoned by an unfinished switch-mode", _ways(cfg.mode))
-            )
-    if not found and running is not None:
-        found.append(ok(CHECK, f"no move under way: the config and the running daemon are in {cfg.mode} mode"))
-    return found
+            out.append(warn(CHECK, f"node {dra.node_name} is cordoned by an unfinished switch-mode", _ways(toward)))
+    if not out and running is not None:
+        out.append(ok(CHECK, f"no move under way: the file and the running daemon are in {running} mode"))
+    return out
 
 
 async def _node(dra: DraConfig, timeout: float) -> dict[str, Any] | None:
