@@ -20,6 +20,8 @@ from ate_devplugd.config import ConfigError
 if TYPE_CHECKING:
     import argparse
 
+    from ate_devplugd.daemon.handover import Successor
+
 #: The commands other than `run`: the module that runs each (imported only when it is chosen, so that no
 #: command pays for another's imports, and `run` for none) and its entry point, given the parsed line.
 COMMANDS = {
@@ -47,13 +49,18 @@ def main(argv: list[str] | None = None) -> int:
             early.restore()
             return _command(args)
         line = runline.RunLine.of(args)
+    from ate_devplugd.daemon.handover import Successor  # noqa: PLC0415 - the run path only
+
+    successor = Successor.from_env()  # started by a running daemon to take its node over
     try:
         cfg = configmod.load(line.config, overrides=line.overrides())
     except ConfigError as exc:
         for error in exc.errors:
             print(f"ate-devplugd: config error: {error}", file=sys.stderr)
+        if successor is not None:
+            successor.refuse(f"config error: {exc.errors[0]}")
         return os.EX_CONFIG
-    status = _run(cfg, line, early)
+    status = _run(cfg, line, early, successor, sys.orig_argv if argv is None else None)
     if argv is None:  # the process itself (the console script, python -m), not a caller in Python
         _exit_now(status)
     return status
@@ -85,20 +92,22 @@ class _EarlySignals:
     They are only remembered: raising from a handler in the middle of importing grpc's extension
     module crashes the interpreter at exit. SIGTERM or SIGINT then ends start-up with status 0 before
     anything is created, or stops the daemon at once; SIGHUP becomes a reload once the daemon runs
-    (the file may have changed after it was read).
+    (the file may have changed after it was read), SIGUSR2 a handover.
     """
 
     def __init__(self) -> None:
         self.stop = False
         self.reload = False
+        self.handover = False
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGHUP, self._hup)
+        signal.signal(signal.SIGUSR2, self._usr2)
 
     @staticmethod
     def restore() -> None:
         """Back to the defaults (for the commands that are not the daemon)."""
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -108,8 +117,19 @@ class _EarlySignals:
     def _hup(self, signum: int, frame: object) -> None:
         self.reload = True
 
+    def _usr2(self, signum: int, frame: object) -> None:
+        self.handover = True
 
-def _run(cfg: configmod.Config, line: runline.RunLine, early: _EarlySignals) -> int:
+
+def _run(
+    cfg: configmod.Config,
+    line: runline.RunLine,
+    early: _EarlySignals,
+    successor: Successor | None,
+    argv: list[str] | None,
+) -> int:
+    """The daemon; ``argv`` is the process's own command line (a handover starts its successor so), None
+    where it is not a process of its own (a caller in Python)."""
     from ate_devplugd.base import malloc  # noqa: PLC0415 - before gRPC and its threads
 
     malloc.one_arena()
@@ -131,7 +151,10 @@ def _run(cfg: configmod.Config, line: runline.RunLine, early: _EarlySignals) -> 
     if early.stop:
         return os.EX_OK
     overrides = {key: value for key, value in line.overrides().items() if value is not None}
-    daemon = Daemon(cfg, source=record.source_of(line.config), overrides=overrides, reload_config=reload_config)
+    source = record.source_of(line.config)
+    daemon = Daemon(
+        cfg, source=source, overrides=overrides, reload_config=reload_config, argv=argv, successor=successor
+    )
 
     async def run() -> int:
         task = asyncio.ensure_future(daemon.run())
@@ -140,6 +163,8 @@ def _run(cfg: configmod.Config, line: runline.RunLine, early: _EarlySignals) -> 
             daemon.request_stop()
         elif early.reload:
             daemon.request_reload()
+        elif early.handover:
+            daemon.request_handover()
         status = await task
         # gRPC ends the calls its stopped servers had in tasks of its own, a loop turn or two later; ended
         # by asyncio.run instead, each would be reported as a crash. They take well under a millisecond.

@@ -442,6 +442,26 @@ class FakeKubelet:
         response: api_pb2.AllocateResponse = await endpoint.stub.Allocate(request, timeout=10)
         return response
 
+    async def admit(self, resource: str) -> str:
+        """A pod asking one unit of ``resource``, as kubelet 1.36's admission takes it: "" once Allocate
+        answered, else why it failed (for a bare pod, for good): no client holding the resource or no
+        Healthy unit of it (``no healthy devices present``), or Allocate refused or cut off."""
+        endpoint = self.endpoints.get(resource)
+        latest = endpoint.latest if endpoint is not None and endpoint.streaming else None
+        healthy = [d.ID for d in latest.devices if d.health == "Healthy"] if latest is not None else []
+        if endpoint is None or not healthy:
+            return "Allocate failed due to no healthy devices present"
+        try:
+            await endpoint.stub.Allocate(
+                api_pb2.AllocateRequest(
+                    container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[healthy[0]])]
+                ),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return f"Allocate failed due to rpc error: code = {exc.code().name} desc = {exc.details()}"
+        return ""
+
     # -- waiting helpers for tests ---------------------------------------------------------------
     async def next_event(self, *kinds: str, resource: str | None = None, timeout: float = 10.0) -> Event:
         """The next event of one of ``kinds`` (for ``resource``), skipping others."""
@@ -458,7 +478,37 @@ class FakeKubelet:
         return out
 
 
-async def _serve_forever(directory: str, log_path: str | None) -> int:
+class PodArrivals:
+    """Pods asking one unit of a resource each, ``rate`` a second, through ``admit`` while on (SIGUSR1
+    turns them on and off): one ``pod`` event per pod, with why it failed (none: admitted)."""
+
+    def __init__(self, kubelet: FakeKubelet, resource: str, rate: float) -> None:
+        self._kubelet, self._resource, self._rate = kubelet, resource, rate
+        self._task: asyncio.Task[None] | None = None
+        self._pods: set[asyncio.Task[None]] = set()
+
+    def toggle(self) -> None:
+        if self._task is None:
+            self._kubelet._record(Event("pods-on", self._resource))
+            self._task = asyncio.get_running_loop().create_task(self._arrive())
+        else:
+            self._task.cancel()
+            self._task = None
+            self._kubelet._record(Event("pods-off", self._resource))
+
+    async def _admit(self) -> None:
+        error = await self._kubelet.admit(self._resource)
+        self._kubelet._record(Event("pod", self._resource, error=error))
+
+    async def _arrive(self) -> None:
+        while True:
+            task = asyncio.get_running_loop().create_task(self._admit())
+            self._pods.add(task)
+            task.add_done_callback(self._pods.discard)
+            await asyncio.sleep(1 / self._rate)  # the next pod's arrival: load, not a wait for an event
+
+
+async def _serve_forever(directory: str, log_path: str | None, pods: tuple[str, float] | None = None) -> int:
     log = open(log_path, "a", encoding="utf-8") if log_path else sys.stdout  # noqa: SIM115
     kubelet = FakeKubelet(directory, log=log)
     stop = asyncio.Event()
@@ -467,6 +517,8 @@ async def _serve_forever(directory: str, log_path: str | None) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, restart.set)
+    if pods is not None:
+        loop.add_signal_handler(signal.SIGUSR1, PodArrivals(kubelet, *pods).toggle)
     await kubelet.start()
     while not stop.is_set():
         stopping = asyncio.ensure_future(stop.wait())
@@ -488,8 +540,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="A fake kubelet device manager for tests.")
     parser.add_argument("--dir", required=True, help="the device-plugin directory to serve")
     parser.add_argument("--log", help="append JSON lines here (default stdout)")
+    parser.add_argument(
+        "--pods", metavar="RESOURCE:RATE", help="pods asking RESOURCE, RATE a second, while SIGUSR1 has them on"
+    )
     args = parser.parse_args()
-    return asyncio.run(_serve_forever(args.dir, args.log))
+    pods = None
+    if args.pods:
+        resource, _, rate = args.pods.rpartition(":")
+        pods = (resource, float(rate))
+    return asyncio.run(_serve_forever(args.dir, args.log, pods))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ async def reload_in_process(
 #: without a verdict (argv: the lock's directory).
 ENDS_ON_SIGHUP = """
 import asyncio, signal, socket, sys, time
+from ate_devplugd import __version__
 from ate_devplugd.base.announce import Announcer
 from ate_devplugd.config import Config, values
 from ate_devplugd.kubelet.lock import lock_name
@@ -86,7 +87,7 @@ async def main():
     sock.bind(lock_name(sys.argv[1]))
     sock.listen(8)
     cfg = Config(plugin_dir=sys.argv[1])
-    rec = record.Instance(os.getpid(), "0", "device-plugin", time.time(), "", {}, values(cfg), True, "", (),
+    rec = record.Instance(os.getpid(), __version__, "device-plugin", time.time(), "", {}, values(cfg), True, "", (),
                           Result(0, Outcome.STARTED))
     Announcer(sock, lambda: record.encode(rec))
     hup = asyncio.Event()

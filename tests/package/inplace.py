@@ -10,15 +10,17 @@
         Reads what happened after T (the fake kubelet's records; the journal: the unit's records and the
         old daemon's; the recorded file changes), prints the figures as "name: value" lines, and exits
         1 (with the reasons) unless:
-          - the unit was restarted once, by a restart job: the old daemon stopped once, systemd logged one
-            stop and one start;
-          - kubelet saw one new registration of R, and the old stream ended only after the old daemon
-            was told to stop (nothing stopped it earlier, e.g. during the package's unpack);
+          - the old daemon handed over once (its ``handover`` and ``handed-over`` events), the new one
+            was ready, and systemd neither stopped nor started the unit (it followed MAINPID=);
+          - kubelet saw one new registration of R, and the old stream ended only after the handover
+            began (nothing stopped the old daemon earlier, e.g. during the package's unpack);
           - allocatable (R's healthy units as kubelet holds them) was 0 in one window only, inside
-            the restart: from the old stream's end (kubelet marks a disconnected plugin's devices
+            the handover: from the old stream's end (kubelet marks a disconnected plugin's devices
             unhealthy) to the new daemon's first ListAndWatch message, and no longer than S seconds;
+          - no pod arriving through kubelet's admission meanwhile (the fake kubelet's ``--pods``) had its
+            Allocate cut off by the old stream's end (each that failed is counted, with why);
           - the CDI spec saw no change at all (never deleted, replaced or written);
-          - the metrics file is there again, written by the new daemon.
+          - the metrics file is there, written by the new daemon.
 
 Only the standard library is used, so it runs with the container's python3. The kubelet log's "t" and
 the journal's realtime stamps are the same clock (the container shares the host's).
@@ -142,9 +144,10 @@ class Report:
         self.figures.append(f"{name}: {(until - since) * 1000:.0f} ms")
 
 
-def check_restart(report: Report, entries: list[Record]) -> tuple[float | None, float | None]:
-    """One restart: the old daemon stopped once, systemd logged one stop and one start. Returns when the
-    old daemon began to stop and when the new one was ready."""
+def check_handover(report: Report, entries: list[Record]) -> tuple[float | None, float | None]:
+    """One handover: the old daemon logged its start and its end once, the new one was ready, and systemd
+    logged no stop and no start of the unit. Returns when the handover began and when the new one was
+    ready."""
 
     def stamps(field: str, value: str) -> list[float]:
         """When the matching records were sent (the kernel's stamp on the datagram), else received."""
@@ -154,23 +157,32 @@ def check_restart(report: Report, entries: list[Record]) -> tuple[float | None, 
             if e.get(field) == value
         ]
 
-    stopping = stamps("ATE_EVENT", "stopping")
-    stopped = stamps("MESSAGE_ID", UNIT_STOPPED)
-    started = stamps("MESSAGE_ID", UNIT_STARTED)
-    if len(stopping) != 1 or len(stopped) != 1 or len(started) != 1:
+    began, handed = stamps("ATE_EVENT", "handover"), stamps("ATE_EVENT", "handed-over")
+    ready = [t for t in stamps("ATE_EVENT", "ready") if began and t > began[0]]
+    stopped, started = stamps("MESSAGE_ID", UNIT_STOPPED), stamps("MESSAGE_ID", UNIT_STARTED)
+    if len(began) != 1 or len(handed) != 1 or len(ready) != 1 or stopped or started:
         report.problems.append(
-            f"the daemon stopped {len(stopping)} time(s); systemd logged {len(stopped)} stop(s) and "
-            f"{len(started)} start(s) of the unit (one restart is one of each); the journal had: "
+            f"handover begun {len(began)} time(s), ended {len(handed)}, the new daemon ready {len(ready)} "
+            f"time(s); systemd logged {len(stopped)} stop(s) and {len(started)} start(s) of the unit (a handover "
+            "is one of the first three, none of the last two); the journal had: "
             + "; ".join(f"[{e.get('_PID')}] {e.get('MESSAGE', '')[:60]}" for e in entries)
         )
-        return (stopping[0] if stopping else None), None
-    # A stop job in prerm and a start job in postinst would leave the node without the daemon while
-    # dpkg unpacks; the package's postinst restarts it instead, after the new files are in place.
-    jobs = [e.get("JOB_TYPE") for e in entries if e.get("MESSAGE_ID") == UNIT_STOPPED]
-    if jobs != ["restart"]:
-        report.problems.append(f"the unit was stopped by a {jobs[0]} job, not a restart")
-    report.figure("restart (the old daemon's SIGTERM -> the new one ready)", stopping[0], started[0])
-    return stopping[0], started[0]
+        return (began[0] if began else None), None
+    report.figure("handover (asked -> the new daemon ready)", began[0], ready[0])
+    return began[0], ready[0]
+
+
+def check_pods(report: Report, args: argparse.Namespace, kubelet: list[Record]) -> None:
+    """The pods that arrived through kubelet's admission: how many, how many failed and why; none may
+    have been cut off in flight (its Allocate cancelled as the old stream ended)."""
+    pods = [r for r in kubelet if r["event"] == "pod" and r.get("resource") == args.resource]
+    failed = [r for r in pods if r.get("error")]
+    whys: dict[str, int] = {}
+    for r in failed:
+        why = str(r["error"]).split(" desc = ")[0]
+        whys[why] = whys.get(why, 0) + 1
+    report.figures.append(f"pods: {len(pods)} arrived, {len(failed)} failed" + (f" ({whys})" if whys else ""))
+    report.problems += [f"a pod's Allocate was cut off: {r['error']}" for r in failed if "CANCELLED" in r["error"]]
 
 
 def check_kubelet(report: Report, args: argparse.Namespace, kubelet: list[Record], stopping: float | None) -> None:
@@ -188,7 +200,7 @@ def check_kubelet(report: Report, args: argparse.Namespace, kubelet: list[Record
     report.figure("kubelet: old stream ended -> new registration", stream_end, registered)
     report.figure("apt-get install start -> new registration", args.after, registered)
     if stopping is not None and stream_end < stopping:
-        report.problems.append("the old daemon's stream ended before it was told to stop")
+        report.problems.append("the old daemon's stream ended before the handover began")
     if args.healthy_before == 0:
         report.figures.append("allocatable: 0 before the upgrade (no usable /dev/kvm here), its window not measured")
         return
@@ -203,7 +215,7 @@ def check_kubelet(report: Report, args: argparse.Namespace, kubelet: list[Record
     if until - since > args.bound:
         report.problems.append(f"allocatable 0 for {until - since:.3f} s (bound {args.bound:g} s)")
     if stopping is not None and since < stopping:
-        report.problems.append("allocatable dropped to 0 before the old daemon was told to stop")
+        report.problems.append("allocatable dropped to 0 before the handover began")
     if until != first_new:
         report.problems.append("allocatable came back other than with the new daemon's first ListAndWatch message")
 
@@ -218,10 +230,10 @@ def check_files(report: Report, args: argparse.Namespace, changes: list[Record])
     metrics = [c for c in changes if c["dir"] == metrics_dir and c["name"] == metrics_name]
     gone = [float(c["t"]) for c in metrics if "deleted" in c["what"]]
     back = [float(c["t"]) for c in metrics if "moved-in" in c["what"]]
-    if gone and back:
-        report.figure("metrics file absent for", gone[0], next((t for t in back if t >= gone[0]), back[-1]))
     if not back or not os.path.exists(args.metrics):
         report.problems.append("the new daemon did not write the metrics file")
+    if gone:
+        report.problems.append("the metrics file was removed (a handover's old daemon leaves it to the new one)")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -229,8 +241,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     # The old daemon's records by its pid: one that exits right after logging can leave records journald
     # no longer ties to the unit (it reads the unit from the sender's cgroup, gone with the process).
     entries = journal(args.after, "-u", args.unit) + journal(args.after, f"_PID={args.old_pid}")
-    stopping, _ = check_restart(report, list({e["__CURSOR"]: e for e in entries}.values()))
-    check_kubelet(report, args, read_lines(args.kubelet_log, args.after), stopping)
+    began, _ = check_handover(report, list({e["__CURSOR"]: e for e in entries}.values()))
+    kubelet = read_lines(args.kubelet_log, args.after)
+    check_kubelet(report, args, kubelet, began)
+    check_pods(report, args, kubelet)
     check_files(report, args, read_lines(args.files, args.after))
     for line in report.figures:
         print(line)

@@ -99,11 +99,15 @@ fi
 say "/dev/kvm usable in the container: $kvm_ok"
 
 # ---- the fake kubelet, as a unit of its own ---------------------------------------------------------
+# Pods asking ate.dev/kvm arrive through its admission while SIGUSR1 has them on (pods_on, pods_off):
+# an upgrade and a restart are each measured with pods arriving.
+pod_rate=10
+pods_toggle() { systemctl kill --kill-whom=main -s USR1 fake-kubelet.service; }
 start_kubelet() {
     mkdir -p "$plugin_dir" && chmod 0750 "$plugin_dir"
     systemd-run --unit=fake-kubelet --collect -p KillSignal=SIGTERM \
         -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
-        python3 "$share/tests/fakes/kubelet.py" --dir "$plugin_dir" --log "$klog" &&
+        python3 "$share/tests/fakes/kubelet.py" --dir "$plugin_dir" --log "$klog" --pods "ate.dev/kvm:$pod_rate" &&
         kubelet_event --timeout 30 listening >/dev/null
 }
 must "fake kubelet listening" start_kubelet
@@ -606,7 +610,8 @@ check "apt-get purge removes everything" purge
 # The node as an operator runs it: the previous version installed and registered, an edited conffile
 # (CDI on, another count, a comment), the CDI spec and the metrics file written. Then the package under
 # test goes over it with apt-get install, back again with a downgrade, and away with remove and purge.
-# Each step is one restart: the figures (restart, kubelet's gap, the time allocatable is 0) are printed.
+# Each step is one handover (the postinst's): the figures (the handover, kubelet's gap, the time
+# allocatable is 0, the pods arriving at $pod_rate/s and how many failed) are printed.
 restart_bound=30      # seconds allocatable may stay 0 during one restart; generous, the figure is printed
 count_in_place=16
 watch_log=/run/file-changes.jsonl
@@ -649,14 +654,17 @@ in_place() {
     watcher=$!
     wait_for 10 grep -qx watching /run/watch.out || { say "the file watcher did not start"; kill "$watcher"; return 1; }
     t=$(now)
+    pods_toggle
     (cd "$share/$dir" && apt-get install -y -q "$@" ./ate-devplugd_*.deb </dev/null) >/run/apt.log 2>&1 ||
-        { cat /run/apt.log >&2; kill "$watcher"; return 1; }
+        { cat /run/apt.log >&2; pods_toggle; kill "$watcher"; return 1; }
     say "apt-get install took $(awk "BEGIN { printf \"%.1f\", $(now) - $t }") s"
     after_version=$(dpkg-query -W -f '${Version}' ate-devplugd)
     say "$what: $before_version -> $after_version"
     # What kubelet and node_exporter need before the report: the new registration and the new file.
     kubelet_event --after "$t" --timeout 60 list resource=ate.dev/kvm total="$count_in_place" >/dev/null &&
         wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1' "$metrics_file" || rc=1
+    pods_toggle
+    grep -q 'handed over from pid' /run/apt.log || { say "the postinst did not hand over"; cat /run/apt.log >&2; rc=1; }
     kill "$watcher"; wait "$watcher" 2>/dev/null
     "${inplace[@]}" report --kubelet-log "$klog" --after "$t" --resource ate.dev/kvm --healthy-before "$healthy" \
         --unit "$unit" --old-pid "$pid" --files "$watch_log" --spec "$cdi_spec" --metrics "$metrics_file" \
@@ -675,9 +683,43 @@ in_place() {
     [ "$(stat -c %a "$metrics_file")" = 644 ] || rc=1
     return "$rc"
 }
-check "upgrade in place (apt-get install ./new.deb): one restart, one registration, spec and conffile kept" \
+check "upgrade in place (apt-get install ./new.deb): one handover, one registration, pods counted, spec and conffile kept" \
     in_place upgrade deb
 check "downgrade in place (apt-get install --allow-downgrades): the same" in_place downgrade previous --allow-downgrades
+
+# The same node, a plain restart with pods arriving (what an upgrade cost before handovers), for the figures;
+# and a handover whose successor refuses the config: the old daemon serves on, the command says why.
+restart_with_pods() {
+    local t pid failed arrived; t=$(now); pid=$(prop MainPID)
+    pods_toggle
+    systemctl restart "$unit" &&
+        kubelet_event --after "$t" --timeout 60 list resource=ate.dev/kvm total="$count_in_place" >/dev/null
+    pods_toggle
+    arrived=$(python3 -c 'import json, sys
+t = float(sys.argv[2])
+pods = [r for r in map(json.loads, open(sys.argv[1])) if r.get("event") == "pod" and float(r["t"]) > t]
+print(len(pods), sum(1 for r in pods if r.get("error")))' "$klog" "$t")
+    say "    restart: pods: ${arrived% *} arrived, ${arrived#* } failed (a plain systemctl restart, at $pod_rate/s)"
+    printf '    restart: pods: %s arrived, %s failed\n' "${arrived% *}" "${arrived#* }" >>"$results"
+    [ "$(prop MainPID)" != "$pid" ] && is_running
+}
+check "systemctl restart with pods arriving: restarted, pods counted" restart_with_pods
+
+handover_refused() {
+    local pid out rc=0
+    pid=$(prop MainPID)
+    cp -a "$conf" /run/config.toml.good
+    set_count 0
+    if out=$(ate-devplugd reload --handover 2>&1); then say "a handover with count = 0 succeeded"; rc=1; fi
+    say "reload --handover (count = 0): $out"
+    printf '%s' "$out" | grep -q "handover failed: the new process (pid [0-9]*) exited 78 before it was ready: config error: .*count: 0" ||
+        { say "the command did not say why"; rc=1; }
+    is_running && expect_prop MainPID "$pid" || rc=1
+    wait_for 30 grep -qxF 'ate_devplugd_registered{resource="ate.dev/kvm"} 1' "$metrics_file" || rc=1
+    cp -a /run/config.toml.good "$conf"
+    return "$rc"
+}
+check "a handover whose new process refuses the config: the old daemon serves on, the command says why" handover_refused
 
 remove_keeps_spec() {
     local spec_before t rc=0

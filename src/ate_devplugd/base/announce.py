@@ -63,9 +63,14 @@ class Announcer:
         for fd in list(self._watching):
             self._send(fd, line)
 
+    def stop_listening(self) -> None:
+        """No new peer (the caller closes the listener: its name is free); the watching ones hear on."""
+        if self._listener.fileno() >= 0:
+            self._loop.remove_reader(self._listener.fileno())
+
     def close(self) -> None:
         """Every peer closed (the listener is the caller's)."""
-        self._loop.remove_reader(self._listener.fileno())
+        self.stop_listening()
         for fd in list(self._peers):
             self._drop(fd)
 

@@ -24,7 +24,8 @@ COMMANDS = {
     "probe": "query every plugin socket as kubelet would: what the node offers (DRA: and its slices)",
     "doctor": "check the node end to end: OK/WARN/FAIL per check with the remedy; exit 1 on a FAIL",
     "dra-manifests": "print the DeviceClasses (and RBAC) an administrator applies once for DRA mode",
-    "reload": "make the running daemon reload its config and wait for its verdict; exit 1 when refused",
+    "reload": "make the running daemon reload its config (or hand over to the program on disk) and wait for "
+    "its verdict; exit 1 when refused",
     "switch-mode": "move this node to dra or device-plugin mode, pods running and arriving: none lost",
 }
 #: `switch-mode --timeout` when not given: how long each wait of the move may take, in seconds.
@@ -151,6 +152,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             default=RELOAD_TIMEOUT,
             metavar="SECONDS",
             help=f"how long to wait for the daemon's verdict (default {RELOAD_TIMEOUT:g})",
+        )
+        reload.add_argument(
+            "--handover",
+            action="store_true",
+            help="hand the node over to a new process of the program on disk, as an upgrade does (the default "
+            "when the program on disk is another version than the daemon's), instead of re-reading the config",
         )
 
     if wanted("switch-mode"):

@@ -9,9 +9,13 @@ error on stderr and False when it was refused or failed, when the daemon ends fi
 comes in time. When stderr is the journal (``ExecReload=``), where the daemon wrote each error already, the
 line says only that the reload was refused, not the error again.
 
+A daemon of another version than this program (the package was upgraded under it), or ``--handover``:
+the daemon hands its node over to a new process of the program on disk instead (``commands.handover``), and
+the command says how that went, in one line either way.
+
 A process given by ``--pid`` that announces no record (not an ate-devplugd of this version) is signalled all
 the same, and the command says what it can tell without one: the config file's own errors, as
-``check-config`` finds them.
+``check-config`` finds them; asked to hand over, such a process cannot: exit 69, restart it instead.
 """
 
 from __future__ import annotations
@@ -24,31 +28,78 @@ import signal
 import sys
 from collections.abc import Mapping
 
+from ate_devplugd import __version__
 from ate_devplugd import config as configmod
 from ate_devplugd.base import announce
 from ate_devplugd.base.logs import stderr_is_journal
 from ate_devplugd.commands import instance
 from ate_devplugd.commands.findings import EXIT_FAILED
+from ate_devplugd.commands.handover import hand_over, send_signal
 from ate_devplugd.config import ConfigError
 from ate_devplugd.reload import record
 from ate_devplugd.reload.result import Outcome, Result
+
+#: A handover's successor imports and loads its config first: seconds on a loaded node.
+HANDOVER_TIMEOUT = 90.0
 
 
 class _Ended(Exception):
     """The daemon closed its record before the verdict: it ended."""
 
 
-def request(config_path: str | None, pid: int | None, timeout: float, environ: Mapping[str, str] = os.environ) -> bool:
-    """Reload the daemon ``pid`` (None: ``$MAINPID``'s, else the one serving ``config_path``); True when it
-    applied the config (or, announcing no record, when the file has no error)."""
+def request(
+    config_path: str | None,
+    pid: int | None,
+    timeout: float,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    handover: bool = False,
+) -> int:
+    """Reload the daemon ``pid`` (None: ``$MAINPID``'s, else the one serving ``config_path``), or have it hand
+    over (``handover``, or a daemon of another version than this program: an upgrade); the exit status: 0
+    when it applied the config or handed over (or, announcing no record, when the file has no error), 1
+    when not, 69 (EX_UNAVAILABLE) when a handover was asked of a process that cannot make one."""
     pid = pid if pid is not None else _main_pid(environ)
     if pid is not None:
         running = next((r for r in asyncio.run(instance.every()) if r.pid == pid), None)
-        return _without_record(config_path, pid) if running is None else _verdict(running, timeout)
-    found = asyncio.run(instance.find(config_path))
-    if found.running is None:
-        return _fail(f"no running daemon to reload: {found.nobody()}; give --pid, or use systemctl reload")
-    return _verdict(found.running, timeout)
+        if running is None and handover:
+            print(f"ate-devplugd: process {pid} announces no record: it cannot hand over (restart it)", file=sys.stderr)
+            return os.EX_UNAVAILABLE
+        if running is None:
+            return _status(_without_record(config_path, pid))
+    else:
+        found = asyncio.run(instance.find(config_path))
+        if found.running is None:
+            return _status(_fail(f"no running daemon to reload: {found.nobody()}; give --pid, or use systemctl reload"))
+        running = found.running
+    if handover or running.record.version != __version__:
+        return _status(_handed_over(running, timeout))
+    return _status(_verdict(running, timeout))
+
+
+def _status(ok: bool) -> int:
+    return os.EX_OK if ok else EXIT_FAILED
+
+
+def _handed_over(running: instance.Running, timeout: float) -> bool:
+    """Have ``running`` hand over, and tell how it went (a line either way)."""
+    try:
+        handed = asyncio.run(hand_over(running, max(timeout, HANDOVER_TIMEOUT)))
+    except ProcessLookupError:
+        return _fail(f"no daemon to hand over: no process {running.pid} is running")
+    except PermissionError:
+        return _fail(f"cannot signal process {running.pid}: permission denied (run as root)")
+    except OSError:
+        return _fail(f"the daemon (pid {running.pid}) ended before it handed over")
+    if handed.failure is not None:
+        on = f"; the daemon (pid {running.pid}, {running.record.version}) serves on" if handed.serving_on else ""
+        return _fail(handed.failure + on)
+    print(
+        f"ate-devplugd: handed over from pid {running.pid} ({running.record.version}) to pid {handed.successor} "
+        f"({handed.version}): kubelet holds it {handed.took * 1000:.0f} ms after the request",
+        file=sys.stderr,
+    )
+    return True
 
 
 def _verdict(running: instance.Running, timeout: float) -> bool:  # noqa: PLR0911 - one return per outcome
@@ -82,29 +133,12 @@ async def _reload(name: bytes, timeout: float) -> Result | None:
                     continue
                 if after is None:  # the record as of our watch: the reload the signal starts comes after it
                     after = now.reload.generation
-                    _signal(peer.pid)
+                    send_signal(peer.pid, signal.SIGHUP)
                 elif now.reload.ended_after(after):
                     return now.reload
     except TimeoutError:
         return None
     raise _Ended
-
-
-def _signal(pid: int) -> None:
-    """SIGHUP to the process (through a pidfd where there is one, so the pid cannot have been reused)."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise
-    except OSError:
-        os.kill(pid, signal.SIGHUP)
-        return
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGHUP)
-    except PermissionError:  # a system-call filter may refuse this call itself; kill(2) says if the signal may go
-        os.kill(pid, signal.SIGHUP)
-    finally:
-        os.close(pidfd)
 
 
 def _main_pid(environ: Mapping[str, str]) -> int | None:
@@ -116,7 +150,7 @@ def _main_pid(environ: Mapping[str, str]) -> int | None:
 def _without_record(config_path: str | None, pid: int) -> bool:
     """The process announces no record: what the file says is all there is to tell."""
     try:
-        _signal(pid)
+        send_signal(pid, signal.SIGHUP)
     except ProcessLookupError:
         return _fail(f"no daemon to reload: no process {pid} is running")
     except PermissionError:
@@ -143,4 +177,4 @@ def _fail(line: str) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     """``reload`` (before the config is read: the daemon reads it, and says what it found)."""
-    return os.EX_OK if request(args.config, args.pid, args.timeout) else EXIT_FAILED
+    return request(args.config, args.pid, args.timeout, handover=args.handover)

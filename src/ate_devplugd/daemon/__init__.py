@@ -15,12 +15,10 @@ watchdog ping, back-offs and coalescing delays. A reload is applied whole or not
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from ate_devplugd import __version__
 from ate_devplugd import config as configmod
@@ -28,10 +26,11 @@ from ate_devplugd.base.grpc_compat import grpc_runtime
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.unixserver import SocketInUseError
 from ate_devplugd.config import Config, ConfigDiff
-from ate_devplugd.daemon import apply
+from ate_devplugd.daemon import apply, handover
 from ate_devplugd.daemon.apply import start_failure
 from ate_devplugd.daemon.modes import Modes
 from ate_devplugd.daemon.outputs import Outputs
+from ate_devplugd.daemon.requests import Request, Requests
 from ate_devplugd.daemon.runtime import RuntimeLink
 from ate_devplugd.daemon.steps import Steps
 from ate_devplugd.kubelet.lock import InstanceLock, NoPermissionError
@@ -48,19 +47,11 @@ from ate_devplugd.signals.notify import Notifier
 log = logging.getLogger(__name__)
 
 
-class _Requests:
-    """What signals ask of the main loop (their handlers only set these), and its wake-up."""
-
-    def __init__(self) -> None:
-        self.stop = False
-        self.reload = False
-        self.wake = asyncio.Event()
-
-
 class Daemon:
     """Everything the running daemon owns; built once by the CLI (or a test) and given its dependencies.
     ``source`` is the config file it was started from ("" for the built-in defaults) and ``overrides`` what
-    its command line set over it, for its record."""
+    its command line set over it, for its record; ``argv`` its own command line, which a handover starts
+    the successor with (None: it hands over to none); ``successor`` the handover it was started for."""
 
     def __init__(
         self,
@@ -72,6 +63,8 @@ class Daemon:
         kernel: KernelView | None = None,
         monitor_factory: MonitorFactory | None = None,
         notifier: Notifier | None = None,
+        argv: Sequence[str] | None = None,
+        successor: handover.Successor | None = None,
     ) -> None:
         self.config = config
         self._source = (source, dict(overrides or {}))
@@ -91,46 +84,39 @@ class Daemon:
         #: Device-plugin mode's sessions or DRA mode's driver, each with the other's part a move needs.
         self._mode: Modes | None = None
         self._steps = Steps()
-        self._requests = _Requests()
+        self._requests = Requests()
+        self._handover = handover.Handover(argv, successor, self._lock.changed)
 
     @property
     def metrics(self) -> Metrics:
         return self._out.metrics
 
-    # -- signals: handlers only set flags --------------------------------------------------------
+    # -- what signals ask (``daemon.requests``) ----------------------------------------------------
     def request_stop(self) -> None:
-        self._requests.stop = True
-        self._requests.wake.set()
+        self._requests.ask(Request.STOP)
 
     def request_reload(self) -> None:
-        self._requests.reload = True
-        self._requests.wake.set()
+        self._requests.ask(Request.RELOAD)
+
+    def request_handover(self) -> None:
+        self._requests.ask(Request.HANDOVER)
 
     # -- the run ---------------------------------------------------------------------------------
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        handlers = {
-            signal.SIGTERM: self.request_stop,
-            signal.SIGINT: self.request_stop,
-            signal.SIGHUP: self.request_reload,
-        }
-        for sig, handler in handlers.items():
-            loop.add_signal_handler(sig, handler)
-        try:
+        with self._requests.from_signals():
             async with grpc_runtime():
                 return await self._run()
-        finally:
-            for sig in handlers:
-                loop.remove_signal_handler(sig)
 
     async def _run(self) -> int:
         try:
             status = await self._start()
             if status != os.EX_OK:
                 return status
-            await self._main_loop()
-            self._out.notifier.stopping()
-            self._events.info("stopping", "stopping")
+            if await self._main_loop():
+                self._events.info("handed-over", "handed over to pid %d; stopping", self._handover.handing_to)
+            else:
+                self._out.notifier.stopping()
+                self._events.info("stopping", "stopping")
             return os.EX_OK
         finally:
             await self._steps.stop()
@@ -138,7 +124,11 @@ class Daemon:
     async def _start(self) -> int:
         """Start, step by step; else the exit status by its cause (sysexits): 73 another process serves our
         sockets, 77 we may not, 71 any other error."""
-        steps = self._steps
+        steps, successor = self._steps, self._handover.successor
+        if successor is not None:  # all that touches nothing of the node's, before the node is ours
+            await steps.run("devices", self._make_devices)
+            await steps.run("modes", self._make_modes)
+            await steps.run("handover", successor.take_over)
         if not await steps.run("lock", lambda: self._lock.acquire(self._record)):
             held = self._lock.directory
             self._events.error("already-running", "another ate-devplugd is already running for %s; not starting", held)
@@ -151,8 +141,9 @@ class Daemon:
             self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
         if busy:
             return os.EX_CANTCREAT
-        await steps.run("devices", self._make_devices)
-        await steps.run("modes", self._make_modes)
+        if successor is None:
+            await steps.run("devices", self._make_devices)
+            await steps.run("modes", self._make_modes)
         try:
             await steps.run("apply", lambda: self._apply(None, self.config))
         except NoPermissionError as exc:
@@ -167,6 +158,8 @@ class Daemon:
             return status
         steps.on_stop("runtime", self._runtime.close)
         await steps.run("watchdog", self._out.start_watchdog)
+        if successor is not None:
+            successor.serving()
         return os.EX_OK
 
     def _make_devices(self) -> None:
@@ -217,16 +210,33 @@ class Daemon:
         self._out.metrics.kubelet_restart()
         self._runtime.ask()
 
-    async def _main_loop(self) -> None:
+    async def _main_loop(self) -> bool:
+        """Until a stop is asked for, or a handover is done (True)."""
         requests = self._requests
-        while not requests.stop:
-            await requests.wake.wait()
-            requests.wake.clear()
-            if requests.reload and not requests.stop:
-                requests.reload = False
+        while not requests.stopping:
+            await requests.next()
+            if requests.take(Request.RELOAD):
                 self._out.notifier.reloading()
                 await self.reload()
                 self._out.notifier.ready(self.status_line())
+            if requests.take(Request.HANDOVER) and await self._hand_over():
+                return True
+        return False
+
+    async def _hand_over(self) -> bool:
+        """Hand the node over to a successor (``daemon.handover``), numbered and told as a reload is; False
+        (this daemon serving on) when the successor could not take over."""
+        self._reloads.begin()
+        failure = await self._handover.to_successor(self._stop_serving, self._out.notifier, self._lock.let_go)
+        if failure is not None:
+            self._reloads.handover_failed(failure)
+        return failure is None
+
+    async def _stop_serving(self) -> None:
+        """The node's part of the shutdown, before the successor takes it; the metrics file stays theirs."""
+        assert self._mode is not None
+        self._out.keep_file = True
+        await self._mode.stop()
 
     # -- what it says of itself ------------------------------------------------------------------
     def status_line(self) -> str:
@@ -254,6 +264,8 @@ class Daemon:
             status=self.status_line(),
             serving=served,
             reload=self._reloads.last,
+            predecessor=self._handover.predecessor,
+            successor=self._handover.handing_to,
         )
         return record.encode(instance)
 

@@ -29,6 +29,8 @@ class Outputs:
         self._watchdog: asyncio.Task[None] | None = None
         #: READY=1 has gone out.
         self.ready = False
+        #: The metrics file outlives the daemon (it handed over: the file is its successor's now).
+        self.keep_file = False
 
     def say_ready(self, status: str) -> None:
         """READY=1 with the first STATUS; the metrics count from now on (the file's first write follows)."""
@@ -71,6 +73,6 @@ class Outputs:
         """No more pings, writes or trims; the metrics file removed, the notify socket closed."""
         if self._watchdog is not None:
             self._watchdog.cancel()
-        self._file.close()
+        self._file.close(remove=not self.keep_file)
         self._trim.close()
         self.notifier.close()

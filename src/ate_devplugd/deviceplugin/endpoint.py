@@ -7,6 +7,7 @@ the loop free while the call is in flight.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import logging
@@ -82,9 +83,15 @@ class PluginServer:
         return self._unix.is_ours()
 
     async def stop(self, grace: float | None = STOP_GRACE) -> None:
-        """Stop serving (ending ListAndWatch streams) and remove our socket; safe to call twice."""
+        """Stop serving and remove our socket; safe to call twice. No new call is taken, the Allocates
+        already accepted are answered, and only then do the ListAndWatch streams end: kubelet closes the
+        connection at a stream's end, and a call it still waited for on it would fail."""
+        stopping = asyncio.ensure_future(self._unix.stop(grace))
+        await asyncio.sleep(0)  # the server's shutdown begun: no new call
+        if grace:
+            await self.servicer.in_flight.idle(grace)
         self.servicer.close()
-        await self._unix.stop(grace)
+        await stopping
 
 
 async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeout: float) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import grpc
 
 from ate_devplugd._pb import api_pb2, api_pb2_grpc
+from ate_devplugd.base.inflight import InFlight
 from ate_devplugd.node.devices import HEALTHY, UNHEALTHY, Resource
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -85,6 +86,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self._streams = 0
         self._on_streams = on_streams
         self._counter = counter or _NoCounter()
+        #: The calls being answered: a stop answers them before the streams end (``base.inflight``).
+        self.in_flight = InFlight()
 
     @property
     def streams(self) -> int:
@@ -134,6 +137,10 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             self._on_streams(streams)
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
+        with self.in_flight.call():
+            return await self._allocate(request, context)
+
+    async def _allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
         refusal = self._refusal(request)
         if refusal is not None:
             code, message = refusal

@@ -37,6 +37,9 @@ from ate_devplugd.dra.slices import SlicePublisher, SliceState
 
 log = logging.getLogger(__name__)
 
+#: How long a stop waits for the prepares already accepted (kubelet gives each 45 s).
+PREPARE_GRACE = 5.0
+
 
 #: What a driver serving unprepare only says (STATUS, and each prepare it refuses).
 UNPREPARE_ONLY = "unprepare only (device-plugin mode: claims left on the node can be unprepared, none prepared)"
@@ -219,15 +222,20 @@ class DraDriver:
         return DraStatus(self.kubelet, pub.state, devices, pub.sharing_dropped, detail, pub.layout, self.unprepare_only)
 
     async def stop(self) -> None:
-        """Stop the publisher and both servers; the sockets are gone when this returns."""
-        self.health.close()
+        """Stop the publisher and both servers; the sockets are gone when this returns. The registration
+        socket goes first (kubelet sends no new call), the plugin server takes none from then on, and
+        the prepares already accepted are answered before the health streams end."""
         task, self._publisher_task = self._publisher_task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._registration.stop()
-        await self._plugin.stop()
+        stopping = asyncio.ensure_future(self._plugin.stop(PREPARE_GRACE))
+        await asyncio.sleep(0)  # the server's shutdown begun: no new call
+        await self.preparer.in_flight.idle(PREPARE_GRACE)
+        self.health.close()
+        await stopping
         await self.preparer.close()
         if self._follower is not None:
             self._follower.close()

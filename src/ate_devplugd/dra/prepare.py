@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ate_devplugd.base.inflight import InFlight
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config.pools import Pool
 from ate_devplugd.dra.apiclient import ApiClient, ApiError, ApiUnavailable, claim_path
@@ -97,6 +98,8 @@ class Preparer:
         self._lock = asyncio.Lock()
         #: Set (to why) when no claim may be prepared here: the driver serves unprepare only.
         self.refusal = ""
+        #: The prepares and unprepares being answered: a stop answers them first (``base.inflight``).
+        self.in_flight = InFlight()
 
     def set_cdi_id(self, resource: str, cdi_id: str) -> bool:
         """Answer ``cdi_id`` for the devices of ``resource`` from now on; whether that changed anything."""

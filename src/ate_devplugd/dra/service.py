@@ -57,7 +57,8 @@ class _PrepareMixin:
         self._preparer = preparer
 
     async def NodePrepareResources(self, request: Any, context: Context) -> Any:
-        results = await self._preparer.prepare(_claims(request))
+        with self._preparer.in_flight.call():
+            results = await self._preparer.prepare(_claims(request))
         response = self.pb.NodePrepareResourcesResponse()
         for uid, result in results.items():
             entry = response.claims[uid]
@@ -76,7 +77,8 @@ class _PrepareMixin:
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Context) -> Any:
-        results = await self._preparer.unprepare(_claims(request))
+        with self._preparer.in_flight.call():
+            results = await self._preparer.unprepare(_claims(request))
         response = self.pb.NodeUnprepareResourcesResponse()
         for uid, error in results.items():
             response.claims[uid].error = error

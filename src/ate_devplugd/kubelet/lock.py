@@ -156,13 +156,20 @@ class InstanceLock:
         found = announce.holder(self.name)
         return None if found is None else (found.pid, found.uid)
 
-    def release(self) -> None:
+    def let_go(self) -> None:
+        """Free the name for the next daemon (a handover's successor), while those watching our record
+        go on hearing it until ``release``."""
         if self._announcer is not None:
-            self._announcer.close()
-            self._announcer = None
+            self._announcer.stop_listening()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def release(self) -> None:
+        self.let_go()
+        if self._announcer is not None:
+            self._announcer.close()
+            self._announcer = None
 
 
 def held_names(net_unix: str = "/proc/self/net/unix") -> list[bytes]:

@@ -54,6 +54,10 @@ class Instance(NamedTuple):
     status: str
     serving: tuple[Serving, ...]
     reload: Result
+    #: The handover it was started for (its predecessor's pid), and the one it is making (its successor's
+    #: pid, while it hands over); 0 for none (``daemon.handover``).
+    predecessor: int = 0
+    successor: int = 0
 
 
 def source_of(config_path: str | os.PathLike[str] | None) -> str:
@@ -94,6 +98,8 @@ def decode(data: bytes) -> Instance | None:
             status=str(body["status"]),
             serving=tuple(Serving(**{k: s[k] for k in Serving._fields if k in s}) for s in body["serving"]),
             reload=Result(int(reload["generation"]), Outcome(reload["outcome"]), str(reload.get("error", ""))),
+            predecessor=int(body.get("predecessor", 0)),
+            successor=int(body.get("successor", 0)),
         )
     except (ValueError, KeyError, TypeError):
         return None

@@ -67,6 +67,13 @@ class ReloadReport:
         self._metrics.reload_failed()
         self._record(Outcome.REFUSED, refusal.message())
 
+    def handover_failed(self, line: str) -> None:
+        """A handover the successor could not take: this daemon serves on."""
+        self._events.error("handover-failed", "%s; this daemon serves on", line)
+        self.note = f"{line.replace('handover failed', 'handover failed ' + time.strftime('%H:%M:%S'), 1)}"
+        self._metrics.reload_failed()
+        self._record(Outcome.FAILED, line)
+
     def failed(self, exc: Exception) -> None:
         self._events.error("reload-failed", "reload failed; the daemon keeps running", exc_info=True)
         self.note = f"reload failed {time.strftime('%H:%M:%S')}: {exc}"

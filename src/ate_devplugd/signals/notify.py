@@ -1,4 +1,4 @@
-"""sd_notify without blocking: READY, STATUS, RELOADING, STOPPING and watchdog pings to systemd.
+"""sd_notify without blocking: READY, STATUS, RELOADING, STOPPING, MAINPID and watchdog pings to systemd.
 
 The notify socket is a datagram socket whose reader can stall (the kernel queues ten datagrams per
 socket by default); a blocking send would then freeze the one event loop, and with it registration and
@@ -13,6 +13,7 @@ terminal, a test or a unit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -58,6 +59,7 @@ class Notifier:
         self._watched = -1  # the fd the loop watches for writability, while datagrams wait
         self._status: str | None = None
         self._failing: int | None = None  # the errno last reported, so a broken socket is logged once
+        self._drained: asyncio.Event | None = None  # set when the last waiting datagram went (``sent``)
 
     @classmethod
     def from_env(cls) -> Notifier:
@@ -94,6 +96,20 @@ class Notifier:
     def watchdog(self) -> None:
         self._send({"WATCHDOG": "1"})
 
+    def main_pid(self, pid: int) -> None:
+        """MAINPID=: systemd follows ``pid`` as the service's main process from now on (a handover)."""
+        self._send({"MAINPID": str(pid)})
+
+    async def sent(self, timeout: float) -> bool:
+        """Wait until nothing waits for the reader (False: still waiting after ``timeout`` seconds)."""
+        if not self._pending:
+            return True
+        self._drained = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._drained.wait()
+        return not self._pending
+
     def close(self) -> None:
         """Stop watching the socket and close it; what is still waiting is dropped."""
         self._pending.clear()
@@ -119,6 +135,8 @@ class Notifier:
                 return
             self._pending.pop(0)
         self._watch(writable=False)
+        if self._drained is not None:
+            self._drained.set()
 
     def _watch(self, *, writable: bool) -> None:
         """Have the loop call ``_flush`` when the socket can take a datagram (only while one waits)."""
