@@ -57,7 +57,7 @@ async def hand_over(running: instance.Running, timeout: float) -> Handed:
                 async for _, line in records:
                     now = record.decode(line)
                     if now is not None and held(now):
-                        return Handed(None, successor, now.version, time.monotonic() - began)
+                        return Handed(None, successor, now.version, took=time.monotonic() - began)
             return Handed(f"the new process (pid {successor}) ended before kubelet held what it serves")
     except TimeoutError:
         return Handed(f"the handover did not end within {timeout:g} s; see journalctl -u ate-devplugd")
