@@ -34,6 +34,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test harness: tests/support.py
 
+import upgrade  # bench/upgrade.py, beside this file
+
 from ate_devplugd import __version__
 from ate_devplugd._pb import api_pb2
 from ate_devplugd.config.device import DeviceConfig
@@ -82,6 +84,7 @@ class Plan:
     dra_claims: int  # claims prepared and unprepared before DRA mode's RSS after load
     import_reps: int
     upgrades: int  # old daemon stopped, new one started, each beside the floor's
+    upgrade_losses: int  # upgrades (restarts and handovers) per rate and machine, pods arriving
 
 
 FULL = Plan(
@@ -98,6 +101,7 @@ FULL = Plan(
     dra_claims=500,
     import_reps=3,
     upgrades=15,
+    upgrade_losses=5,
 )
 QUICK = Plan(
     starts=3,
@@ -113,6 +117,7 @@ QUICK = Plan(
     dra_claims=10,
     import_reps=1,
     upgrades=2,
+    upgrade_losses=1,
 )
 
 
@@ -932,6 +937,8 @@ async def measure(plan: Plan) -> dict[str, object]:
             results["upgrade"], floors["upgrade"] = await upgrades(ws, plan.upgrades, notify, kubelet, floor_kubelet)
         finally:
             await floor_kubelet.stop()
+        progress(f"{plan.upgrade_losses} restarts and handovers per rate and machine, pods arriving")
+        results["upgrade"]["lost"] = await upgrade.losses(ws.dir / "upgrade", ws.dev_root, plan.upgrade_losses)
 
         progress("one daemon under load")
         kubelet.drain()

@@ -206,6 +206,7 @@ def upgrade_rows(up: dict[str, Any] | None, floor: dict[str, Any] | None) -> lis
     if not up or not floor:
         return []
     return [
+        *lost_rows(up.get("lost") or {}, floor),
         ("upgrade: stop -> old process gone", pair(up["stopped"]), pair(floor["stopped"]), ""),
         ("upgrade: stop -> new one registered", pair(up["registered"]), pair(floor["registered"]), ""),
         (
@@ -215,6 +216,21 @@ def upgrade_rows(up: dict[str, Any] | None, floor: dict[str, Any] | None) -> lis
             "",
         ),
     ]
+
+
+def lost_rows(lost: dict[str, Any], floor: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Per upgrade (a restart as systemd makes it, or a handover), pods arriving at a rate through kubelet's
+    admission: the window with no healthy unit (its median) and the pods that failed (mean, most); the
+    handover's window beside the floor's break-before-make one (its stop -> allocatable back)."""
+    out = []
+    for name, v in lost.items():
+        target = ""
+        if name.startswith("handover"):
+            target = "0 with the guard; <= 1.4 (a tenth of 14 at 10/s, busy)" if "10/s" in name else ""
+        floor_window = pair(floor["allocatable"]) if name.startswith("handover") else ""
+        value = f"{v['lost_mean']:g} (most {v['lost_max']}) of {v['arrived_mean']:g}; window {_ms(v['window_ms'])}"
+        out.append((f"upgrade by {name}: pods lost", value, floor_window, target))
+    return out
 
 
 def _over(kib: int, floor: int) -> str:

@@ -68,7 +68,10 @@ class Manager:
     def __init__(self, notify: str, command: list[str]) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        self.notify = notify
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(notify)
         self.sock.bind(notify)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.wake_r, wake_w = os.pipe()
@@ -128,6 +131,8 @@ class Manager:
                 status = self.reap()
                 if status is not None:
                     self.kill_the_rest()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.notify)
                     return status
 
     def kill_the_rest(self) -> None:

@@ -3,13 +3,14 @@
 Start-up is a list of named steps (``daemon.steps``: each logged at debug with its time, each owing the
 shutdown step that undoes it): the instance lock, where the daemon's record of itself is announced from
 then on (``reload.record``); the devices and the mode; the config applied from nothing; READY. A reload
-applies a re-read config over the running one. Both are ``Daemon._apply``: a plan (every step that can
-fail), then a commit (watch, then read the state, then serve: each socket proves it answers before it
-registers), the config swapped last (``daemon.apply``). READY=1 goes out once every present device has
-been served, kubelet there or not; STATUS, the metrics file and the record follow every change from then
-on (``daemon.outputs``), and the container runtime is asked whether it applies our CDI names
-(``daemon.runtime``). The main loop sleeps until a signal's flag is set; the only timers are the
-watchdog ping, back-offs and coalescing delays. A reload is applied whole or not at all
+applies a re-read config over the running one. Both are a plan (every step that can fail), then a commit
+(watch, then read the state: ``_prepare``), then serving (each socket proves it answers before it
+registers) with the config swapped last (``_serve``; ``daemon.apply``). A successor (``daemon.handover``)
+reads the node before its predecessor lets go of it, and serves once it has. READY=1 goes out once every
+present device has been served, kubelet there or not; STATUS, the metrics file and the record follow
+every change from then on (``daemon.outputs``), and the container runtime is asked whether it applies our
+CDI names (``daemon.runtime``). The main loop sleeps until a signal's flag is set; the only timers are
+the watchdog ping, back-offs and coalescing delays. A reload is applied whole or not at all
 (``reload.decision``); ``reload.report`` says how each went.
 """
 
@@ -125,42 +126,43 @@ class Daemon:
         """Start, step by step; else the exit status by its cause (sysexits): 73 another process serves our
         sockets, 77 we may not, 71 any other error."""
         steps, successor = self._steps, self._handover.successor
-        if successor is not None:  # all that touches nothing of the node's, before the node is ours
-            await steps.run("devices", self._make_devices)
-            await steps.run("modes", self._make_modes)
-            await steps.run("handover", successor.take_over)
-        if not await steps.run("lock", lambda: self._lock.acquire(self._record)):
-            held = self._lock.directory
-            self._events.error("already-running", "another ate-devplugd is already running for %s; not starting", held)
-            return os.EX_CANTCREAT
-        steps.on_stop("lock", self._lock.release)
         steps.on_stop("outputs", self._out.close)
-        steps.on_stop("kubelet watch", self._watch.close)
-        busy = await steps.run("sockets", lambda: sockets_in_use(self.config, self.config.devices))
-        for msg in busy:
-            self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
-        if busy:
-            return os.EX_CANTCREAT
-        if successor is None:
-            await steps.run("devices", self._make_devices)
-            await steps.run("modes", self._make_modes)
         try:
-            await steps.run("apply", lambda: self._apply(None, self.config))
+            if successor is not None:  # the node read, but not taken, until the predecessor lets go of it
+                plan = await self._read_node(steps)
+                await steps.run("handover", successor.take_over)
+            if not await steps.run("lock", lambda: self._lock.acquire(self._record)):
+                held = f"another ate-devplugd is already running for {self._lock.directory}"
+                self._events.error("already-running", "%s; not starting", held)
+                return os.EX_CANTCREAT
+            steps.on_stop("lock", self._lock.release)
+            busy = await steps.run("sockets", lambda: sockets_in_use(self.config, self.config.devices))
+            for msg in busy:
+                self._events.error("already-running", "%s; is another ate-devplugd running? Not starting", msg)
+            if busy:
+                return os.EX_CANTCREAT
+            if successor is None:
+                plan = await self._read_node(steps)
+            await steps.run("serve", lambda: self._serve(plan))
         except NoPermissionError as exc:
             self._events.error("no-permission", "%s; not starting", exc)
             return os.EX_NOPERM
         except (SocketInUseError, OSError) as exc:  # DRA mode's sockets (sessions retry on their own)
             status, line = start_failure(exc)
-            if status == os.EX_NOPERM:
-                self._events.error("no-permission", "%s; not starting", line)
-            else:
-                self._events.error("serve-failed", "%s; not starting", line)
+            self._events.error("no-permission" if status == os.EX_NOPERM else "serve-failed", "%s; not starting", line)
             return status
         steps.on_stop("runtime", self._runtime.close)
         await steps.run("watchdog", self._out.start_watchdog)
         if successor is not None:
             successor.serving()
         return os.EX_OK
+
+    async def _read_node(self, steps: Steps) -> apply.Plan:
+        """The devices and the mode made, the node watched and read (``_prepare``): nothing served yet."""
+        await steps.run("devices", self._make_devices)
+        await steps.run("modes", self._make_modes)
+        steps.on_stop("kubelet watch", self._watch.close)
+        return await steps.run("read", lambda: self._prepare(None, self.config))
 
     def _make_devices(self) -> None:
         kernel, monitor_factory = self._seams
@@ -176,16 +178,22 @@ class Daemon:
         self._steps.on_stop("modes", self._mode.stop)
 
     # -- applying a config: at start and on reload -------------------------------------------------
-    async def _apply(self, old: Config | None, new: Config) -> None:
-        """Run ``new`` instead of ``old`` (None at start: from nothing), as ``daemon.apply`` plans and
-        commits it; then the config is swapped, and what follows it: READY=1 at start, the metrics file,
-        the container runtime asked again, the outcome in the record. A reload gets here only once
+    async def _prepare(self, old: Config | None, new: Config) -> apply.Plan:
+        """``new`` instead of ``old`` (None at start: from nothing), as ``daemon.apply`` plans and commits
+        it, up to serving: watched, removed resources stopped, the state read. A reload gets here only once
         ``reload.decision.accept`` took the new config."""
         assert self._mode is not None and self._devices is not None
         step = apply.plan(old, new, self._watch, self._devices)
         await apply.commit(step, self._mode, self._devices, self._out.metrics)
-        self.config = new
-        self._running(old is None, step.change)
+        return step
+
+    async def _serve(self, step: apply.Plan) -> None:
+        """The added resources served (each registers once its socket answers); then the config is swapped,
+        and what follows it: READY=1 at start, the metrics file, the runtime asked again, the record."""
+        assert self._mode is not None
+        await self._mode.start(step.change.added)
+        self.config = step.new
+        self._running(step.old is None, step.change)
 
     def _running(self, first: bool, change: ConfigDiff) -> None:
         """After the swap: say so, then what follows the config it runs."""
@@ -271,13 +279,13 @@ class Daemon:
 
     # -- reload ----------------------------------------------------------------------------------
     async def reload(self) -> bool:
-        """Re-read the config and apply it (``_apply``): added resources served, removed ones stopped,
+        """Re-read the config and apply it (``_prepare``, ``_serve``): added resources served, removed ones stopped,
         changed ones kept serving. False when it was refused (``reload.decision``: nothing of it is
         applied) or failed; ``reload.report`` says so, in STATUS until the next good reload."""
         self._reloads.begin()
         try:
             new = accept(self.config, self._reload_config or (lambda: self.config))
-            await self._apply(self.config, new)
+            await self._serve(await self._prepare(self.config, new))
         except ReloadRefused as refusal:
             self._reloads.refused(refusal)
             return False

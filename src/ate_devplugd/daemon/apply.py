@@ -9,9 +9,9 @@ filter the kernel refuses leaves the old one in place (``node.udev``).
 
 ``commit`` then makes the changes, none of which raises: the log level; the removed resources stop being
 served and the metrics hold the new set of resources; the state is read (CDI's directory, then a look at
-each device, which writes its CDI spec); the added resources are served (each socket proves it answers
-before it registers). The daemon swaps its config last, together with the copy ``probe`` reads
-(``Daemon._apply``), so the two never disagree.
+each device, which writes its CDI spec). The daemon then serves the added resources (each socket proves
+it answers before it registers) and swaps its config last, with its record saying the new one
+(``Daemon._serve``), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ async def commit(plan: Plan, mode: Modes, devices: DeviceWatch, metrics: Metrics
     for name in change.added:
         metrics.add_resource(name)
     devices.read(plan.new)
-    await mode.start(change.added)
 
 
 def start_failure(exc: OSError | SocketInUseError) -> tuple[int, str]:
