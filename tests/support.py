@@ -786,6 +786,16 @@ class KvmAllocation:
     response: api_pb2.ContainerAllocateResponse
     cdi_dir: Path
 
+    @classmethod
+    def granted(cls, cdi_dir: Path) -> KvmAllocation:
+        """What the daemon's Allocate answers for one unit with ``cdi = true`` (the same whenever it grants
+        one): for a pod granted the device at a moment the daemon withholds it, and so refuses Allocate."""
+        response = api_pb2.ContainerAllocateResponse(
+            devices=[api_pb2.DeviceSpec(container_path="/dev/kvm", host_path="/dev/kvm", permissions="rw")],
+            cdi_devices=[api_pb2.CDIDevice(name=f"{RESOURCE}=kvm")],
+        )
+        return cls(response, cdi_dir)
+
     @property
     def cdi_names(self) -> list[str]:
         """The fully qualified CDI names (``ate.dev/kvm=kvm``), as kubelet passes them on."""

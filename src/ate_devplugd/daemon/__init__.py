@@ -1,14 +1,14 @@
 """The daemon's lifecycle: start-up, the main loop, reload and shutdown, on one asyncio loop.
 
 Start-up takes the instance lock, then applies the config from nothing; a reload applies a re-read one
-over the running one. Both are ``Daemon._apply``: a plan (every step that can fail), then a commit (watch,
-then read the state, then serve: each socket proves it answers before it registers), the config swapped
-last (``daemon.apply``). READY=1 goes out once every present device has been served, kubelet there or
-not; the metrics file follows from then on, and so does the question to the container runtime whether it
-applies our CDI names (``cri.check``). The main loop sleeps until a signal's flag is set; the only timers
-are the watchdog ping, back-offs and coalescing delays (the metrics file, the heap's trim, the events of
-the runtime socket's directory and of CDI's, a device withheld or offered: ``cri.usable``). A reload is
-applied whole or not at all (``reload.decision``); ``reload.report`` says how each went.
+over the running one. Both are ``Daemon._apply``: a plan (every step that can fail), then a commit (the
+runtime's verdict on our CDI names, bounded: ``cri.check``; the state read; then serve: each socket proves
+it answers before it registers), the config swapped last (``daemon.apply``). READY=1 goes out once every
+present device has been served, kubelet there or not; the metrics file follows from then on. The main
+loop sleeps until a signal's flag is set; the only timers are the watchdog ping, back-offs and coalescing
+delays (the metrics file, the heap's trim, the runtime socket's directory and CDI's, a device offered
+again: ``cri.usable``). A reload is applied whole or not at all (``reload.decision``); ``reload.report``
+says how each went.
 """
 
 from __future__ import annotations
@@ -177,11 +177,11 @@ class Daemon:
     async def _apply(self, old: Config | None, new: Config) -> None:
         """Run ``new`` instead of ``old`` (None at start: from nothing), as ``daemon.apply`` plans and
         commits it; then the config is swapped, with its copy for ``probe``, and what follows it: READY=1
-        at start, the metrics file, the container runtime asked again, the outcome for ``reload``. A
-        reload gets here only once ``reload.decision.accept`` took the new config."""
+        at start, the metrics file, the outcome for ``reload``. A reload gets here only once
+        ``reload.decision.accept`` took the new config."""
         assert self._mode is not None and self._devices is not None
         step = apply.plan(old, new, self._watch, self._devices)
-        await apply.commit(step, self._mode, self._devices, self._metrics)
+        await apply.commit(step, self._mode, self._devices, self._metrics, self._ask_runtime(new))
         self.config = new
         self._files.keep_config(new)
         self._running(old is None, step.change)
@@ -195,7 +195,6 @@ class Daemon:
             # Metrics from now on: the first write comes after READY.
             self._metrics.on_change = self._counted
         self._metrics_file.enable(self.config.metrics_file)
-        self._ask_runtime()
         if first:
             self._reloads.started()
         else:
@@ -222,13 +221,13 @@ class Daemon:
         self._metrics.kubelet_restart()
         self._ask_runtime()
 
-    def _ask_runtime(self) -> None:
-        """Ask the container runtime whether it applies our CDI names (at start, on reload, when kubelet
-        starts; the check follows the runtime's own restarts by itself). It never delays anything."""
-        cfg = self.config
+    def _ask_runtime(self, config: Config | None = None) -> RuntimeCheck | None:
+        """Ask the container runtime whether it applies our CDI names (at start and on reload before the
+        looks, when kubelet starts; the check follows the runtime's own restarts by itself)."""
+        cfg = config or self.config
         if self._runtime is None:
             if not cfg.checks_runtime:
-                return
+                return None
             from ate_devplugd.cri.check import RuntimeCheck  # noqa: PLC0415 - the CRI modules only once CDI is used
             from ate_devplugd.cri.usable import Usability  # noqa: PLC0415
 
@@ -241,6 +240,7 @@ class Daemon:
             enabled=cfg.checks_runtime,
             devices=cfg.devices,
         )
+        return self._runtime
 
     def _runtime_report(self, report: RuntimeReport | None) -> None:
         assert self._runtime is not None and self._usable is not None
