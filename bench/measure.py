@@ -195,14 +195,18 @@ class Workspace:
         self.config = self.write_config("config.toml")
         self.notify_path = self.dir / "notify.sock"
 
-    def write_config(self, name: str, *, metrics: bool = True, dra: str = "") -> Path:
+    def write_config(
+        self, name: str, *, metrics: bool = True, dra: str = "", runtime_socket: Path | None = None
+    ) -> Path:
         """The bench's config: the kvm resource with its probe, metrics in the temp dir (or off), CDI
-        specs there; ``dra``: the [dra] table (DRA mode, where every device has a CDI spec)."""
+        specs there; ``dra``: the [dra] table (DRA mode, where every device has a CDI spec), and the
+        runtime's socket the daemon asks."""
         path = self.dir / name
         metrics_file = self.dir / "ate-devplugd.prom" if metrics else ""
         path.write_text(
             f'plugin_dir = "{self.plugin_dir}"\ndev_root = "{self.dev_root}"\nlog_level = "info"\n'
             f'metrics_file = "{metrics_file}"\ncdi_dir = "{self.dir / "cdi"}"\n'
+            + (f'runtime_socket = "{runtime_socket}"\n' if runtime_socket is not None else "")
             + ('mode = "dra"\n' if dra else "")
             + f'\n[[device]]\nresource = "{RESOURCE}"\npath = "/dev/kvm"\ncount = {COUNT}\nprobe = "kvm"\n'
             + ("cdi = true\n\n" + dra if dra else "")
@@ -855,6 +859,7 @@ async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str
     prepared and unprepared one by one (each read from the API server)."""
     from tests.fakes.apiserver import FakeApiServer
     from tests.fakes.certs import make_pki
+    from tests.fakes.cri import FakeRuntime, containerd_info
     from tests.fakes.dra_kubelet import FakeDraKubelet
     from tests.integration.dra_rig import NODE, write_kubeconfig
 
@@ -870,6 +875,9 @@ async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str
         # The claims name the units layout's devices (kvm-N); set, so the figures stay comparable.
         'sharing = "units"\n'
     )
+    # The node's runtime applies CDI and reads the bench's cdi_dir: DRA mode offers its devices only then.
+    socket = ws.dir / "runtime.sock"
+    runtime = await FakeRuntime(socket, "containerd", "2.1.9", containerd_info(True, [str(ws.dir / "cdi")])).start()
     kubelet = FakeDraKubelet(kubelet_dir)
     notify.forget()
 
@@ -882,15 +890,16 @@ async def dra_rss(ws: Workspace, plan: Plan, notify: NotifyReceiver) -> dict[str
             await kubelet.unprepare(driver, claim)
 
     try:
-        async with running_daemon(ws, ws.write_config("dra.toml", dra=dra)) as proc:
+        async with running_daemon(ws, ws.write_config("dra.toml", dra=dra, runtime_socket=socket)) as proc:
             await kubelet.start()
             await notify.wait_for(is_ready, 20)
             await kubelet.next_event("registered", timeout=20)
-            await notify.wait_for(lambda f: "slice published (" in f.get("STATUS", ""), 20)
+            await notify.wait_for(lambda f: "slice published (128 devices)" in f.get("STATUS", ""), 20)
             rss = await rss_around(proc.pid, claims)
     finally:
         await kubelet.stop()
         await api.stop()
+        await runtime.stop()
     return {**rss, "claims": plan.dra_claims}
 
 

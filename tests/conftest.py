@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.podman import Podman
+from tests.podman import NodeStat, Podman
 from tests.podman import require as require_podman
 from tests.runtimes.containerd import ContainerdBuild, Images, require_images
 from tests.runtimes.containerd import require as require_containerd
@@ -139,6 +139,14 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
 def cri_images(tmp_path_factory: pytest.TempPathFactory) -> Images:
     """The pause and kvm checker image archives every test containerd imports (built once)."""
     return require_images(tmp_path_factory.mktemp("cri-images"))
+
+
+@pytest.fixture
+def closed_kvm() -> NodeStat:
+    """The host's /dev/kvm keeps strangers out (else EACCES could not happen and would prove nothing)."""
+    node = NodeStat.of("/dev/kvm")
+    assert node.mode & 0o007 == 0, f"the host's /dev/kvm is {node.mode:#o}: open to every user"
+    return node
 
 
 @pytest.fixture

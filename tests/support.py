@@ -49,6 +49,7 @@ from ate_devplugd.deviceplugin import endpoint
 from ate_devplugd.node.devices import Presence, Resource
 from ate_devplugd.node.kernel import KernelView, NodeStat, UdevKernelView
 from ate_devplugd.signals.notify import Notifier
+from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.fakes.kubelet import FakeKubelet
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -790,6 +791,16 @@ class KvmAllocation:
     response: api_pb2.ContainerAllocateResponse
     cdi_dir: Path
 
+    @classmethod
+    def granted(cls, cdi_dir: Path) -> KvmAllocation:
+        """What the daemon's Allocate answers for one unit with ``cdi = true`` (the same whenever it grants
+        one): for a pod granted the device at a moment the daemon withholds it, and so refuses Allocate."""
+        response = api_pb2.ContainerAllocateResponse(
+            devices=[api_pb2.DeviceSpec(container_path="/dev/kvm", host_path="/dev/kvm", permissions="rw")],
+            cdi_devices=[api_pb2.CDIDevice(name=f"{RESOURCE}=kvm")],
+        )
+        return cls(response, cdi_dir)
+
     @property
     def cdi_names(self) -> list[str]:
         """The fully qualified CDI names (``ate.dev/kvm=kvm``), as kubelet passes them on."""
@@ -808,10 +819,14 @@ class KvmAllocation:
 async def allocated_kvm(tmp_path: Path, **device: Any) -> AsyncIterator[KvmAllocation]:
     """The daemon on the host's /dev/kvm (the real kernel view) with ``cdi = true``, registered with a fake
     kubelet, and one real gRPC Allocate of one unit; the daemon keeps running while the block runs, as it
-    does while kubelet creates the container. ``device`` adds ``[[device]]`` keys (``container_mode``, ...)."""
+    does while kubelet creates the container. ``device`` adds ``[[device]]`` keys (``container_mode``, ...).
+    The runtime the daemon asks says it applies CDI and reads ``cdi_dir`` (a fake containerd: the test
+    hands the answer to a runtime of its own), so that a table whose VMM needs CDI is offered."""
     plugin_dir = tmp_path / "device-plugins"
     plugin_dir.mkdir()
     config = dataclasses.replace(kvm_config(plugin_dir, Path("/"), cdi=True, **device), dev_root="/")
+    answer = containerd_info(True, [config.cdi_dir])
+    runtime = await FakeRuntime(Path(config.runtime_socket), "containerd", "2.1.9", answer).start()
     kubelet = await started_kubelet(plugin_dir)
     try:
         async with daemon_in_process(config, UdevKernelView()):
@@ -820,3 +835,4 @@ async def allocated_kvm(tmp_path: Path, **device: Any) -> AsyncIterator[KvmAlloc
             yield KvmAllocation(response, Path(config.cdi_dir))
     finally:
         await kubelet.stop()
+        await runtime.stop()

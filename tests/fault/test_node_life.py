@@ -44,7 +44,7 @@ import pytest
 from ate_devplugd import config as configmod
 from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.config.dra import DraConfig, Layout
-from ate_devplugd.node.cdi import spec_path
+from ate_devplugd.node.cdispec import spec_path
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.cri import FakeRuntime
 from tests.fakes.dra_kubelet import FakeDraKubelet
@@ -87,8 +87,10 @@ class Truth:
     present: bool = True
     #: Units (device-plugin mode) or devices in the slice (DRA mode).
     count: int = 4096
-    #: The runtime's enable_cdi; None while it is stopped.
+    #: The enable_cdi of the runtime last heard (its verdict stands while it is away); None: none heard.
     enable_cdi: bool | None = True
+    #: The runtime answers now.
+    runtime: bool = True
     #: The last reload was refused, and no good one came since.
     refused: bool = False
     good_reloads: int = 0
@@ -104,10 +106,10 @@ class Truth:
     conflict: bool = False
 
     def withheld(self) -> str | None:
-        """Why a pod would not get the device now were it there (cri.usable), or None; unknown never
-        withholds."""
+        """Why a pod would not get the device now were it there (cri.usable), or None. A runtime away
+        keeps its verdict; unknown (none heard) withholds a device that needs CDI applied."""
         if self.enable_cdi is None:
-            return None
+            return "cdi-unknown" if self.required else None
         if self.required and not self.enable_cdi:
             return "cdi-not-applied"
         return "spec-conflict" if self.conflict and self.enable_cdi else None
@@ -271,6 +273,8 @@ def doctor_facts(checks: dict[str, dict[str, str]], truth: Truth) -> Facts:
     facts["verdict"] = {"OK": "applied", "WARN": "unknown"}.get(level, f"{level} {message}")
     if level == "FAIL" and " ignores CDI (" in message:
         facts["verdict"] = "not_applied"
+    if not truth.runtime:  # doctor asks the runtime itself: none answers now (the daemon keeps its verdict)
+        facts["verdict"] = None if facts["verdict"] == "unknown" else facts["verdict"]
     level, message = said(f"registered {RESOURCE}")
     if m := re.match(r"kubelet offers (\d+) units of it", message):
         facts["registered"], facts["offered"] = True, int(m[1])
@@ -401,7 +405,7 @@ class Node:
         if t.file != "running":
             return [("fix-file", self.fix_file), ("reload-good", self.reload_good)]
         out: list[Event] = [("reload-good", self.reload_good), ("reload-refused", self.reload_refused)]
-        if t.enable_cdi is None:
+        if not t.runtime:
             out.append(("runtime-start", self.runtime_start))
         else:
             out += [("runtime-restart", self.runtime_restart), ("runtime-stop", self.runtime_stop)]
@@ -515,7 +519,7 @@ class Node:
 
     # -- the events every mode has --------------------------------------------------------------------
     async def runtime_restart(self) -> str:
-        assert self.runtime is not None and self.truth.enable_cdi is not None
+        assert self.runtime is not None and self.truth.enable_cdi is not None and self.truth.runtime
         enable = not self.truth.enable_cdi
         await stopped(self.runtime)
         self.runtime = await started(self.socket, enable, [self.config().cdi_dir])
@@ -526,13 +530,13 @@ class Node:
         assert self.runtime is not None
         await stopped(self.runtime)
         self.runtime = None
-        self.truth.enable_cdi = None
+        self.truth.runtime = False  # its verdict stands until it answers again
         return "runtime-stop"
 
     async def runtime_start(self) -> str:
         enable = self.rng.random() < 0.5
         self.runtime = await started(self.socket, enable, [self.config().cdi_dir])
-        self.truth.enable_cdi = enable
+        self.truth.enable_cdi, self.truth.runtime = enable, True
         return f"runtime-start (enable_cdi = {str(enable).lower()})"
 
     async def reload_good(self) -> str:

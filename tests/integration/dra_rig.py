@@ -28,6 +28,7 @@ from ate_devplugd.dra.slices import SliceState
 from ate_devplugd.node.kernel import KernelView
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.certs import Pki
+from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.fakes.dra_kubelet import WIPING_DELAY, FakeDraKubelet
 from tests.support import DaemonInProcess, FakeMonitor, NotifyReceiver, daemon_in_process, kvm_config
 
@@ -229,11 +230,14 @@ async def dra_node(
     kubelet_process: bool = False,
     hold_health: bool = False,
     sharing: Layout | None = Layout.UNITS,
+    runtime: bool = True,
 ) -> AsyncIterator[DraNode]:
-    """A node in DRA mode: the API server first, then the daemon, then kubelet's plugin watcher (which
-    wipes the driver's slices ``wiping_delay`` seconds after it deregistered, unless it came back). With
-    ``kubelet_process``, kubelet also listens on kubelet.sock in the daemon's plugin directory from a
-    process of its own; with ``hold_health`` it holds the driver's health stream (FakeDraKubelet)."""
+    """A node in DRA mode: the API server first, the container runtime (a fake containerd that applies CDI
+    and reads ``cdi_dir``: DRA's only path is CDI, and a device is offered only on its word; none with
+    ``runtime=False``), then the daemon, then kubelet's plugin watcher (which wipes the driver's slices
+    ``wiping_delay`` seconds after it deregistered, unless it came back). With ``kubelet_process``, kubelet
+    also listens on kubelet.sock in the daemon's plugin directory from a process of its own; with
+    ``hold_health`` it holds the driver's health stream (FakeDraKubelet)."""
     async with short_dir() as base:
         api = FakeApiServer(NODE, token=TOKEN)
         await api.start()
@@ -245,6 +249,8 @@ async def dra_node(
             kvm_config(plugin_dir, dev_root, cdi=True, metrics_file=metrics_file), mode="dra", dra=dra
         )
         notify = NotifyReceiver(base / "notify")
+        answer = containerd_info(True, [config.cdi_dir])
+        cri = await FakeRuntime(Path(config.runtime_socket), "containerd", "2.1.9", answer).start() if runtime else None
         kubelet = FakeDraKubelet(
             base / "kubelet",
             on_wipe=api.wipe_driver,
@@ -262,3 +268,5 @@ async def dra_node(
             await kubelet.stop()
             await api.stop()
             await notify.close()
+            if cri is not None:
+                await cri.stop()

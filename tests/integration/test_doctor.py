@@ -126,7 +126,7 @@ TYPICAL = [
         "WARN",
         "host 0660 {owner}: a VMM that is not root (nor in the node's gid {gid}) gets EACCES: the runtime does not "
         "apply its CDI spec (see runtime)",
-        "fix the runtime line below",
+        'fix the runtime line below, and set cdi = "required" so that it is not offered meanwhile',
     ),
     ("daemon", "OK", "running ({daemon})", ""),
     ("socket ate.dev/kvm", "OK", "answers: 4096/4096 healthy, Allocate grants /dev/kvm -> /dev/kvm (rw)", ""),
@@ -151,7 +151,8 @@ OK    config                  the running daemon's, {tmp}/config.toml: 1 device(
 OK    device ate.dev/kvm      /dev/kvm: character device 10:232
 OK    kvm ate.dev/kvm         KVM API 12; KVM_CREATE_VM works
 WARN  access ate.dev/kvm      host 0660 {owner}: a VMM that is not root (nor in the node's gid {gid}) gets EACCES: \
-the runtime does not apply its CDI spec (see runtime) -- fix the runtime line below
+the runtime does not apply its CDI spec (see runtime) -- fix the runtime line below, and set cdi = "required" \
+so that it is not offered meanwhile
 OK    daemon                  running ({daemon})
 OK    socket ate.dev/kvm      answers: 4096/4096 healthy, Allocate grants /dev/kvm -> /dev/kvm (rw)
 OK    registered ate.dev/kvm  kubelet offers 4096 units of it (its pod-resources API)

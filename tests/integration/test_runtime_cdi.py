@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ate_devplugd.config import Config
-from ate_devplugd.cri.check import EVENT_NOT_APPLIED, EVENT_RUNTIME, RuntimeCheck
+from ate_devplugd.cri.check import EVENT_NOT_APPLIED, EVENT_RUNTIME, FIRST_VERDICT, RuntimeCheck
 from ate_devplugd.cri.endpoint import Source
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
 from tests.fakes.cri import FakeRuntime, containerd_info, recorded
@@ -83,6 +83,7 @@ class TestVerdictShown:
                         ("not_applied", "0"),
                         ("dir_not_read", "0"),
                         ("unknown", "0"),
+                        ("spec_dir_replaced", "0"),
                         ("spec_conflict", "0"),
                         ("spec_invalid", "0"),
                         ("spec_replaced", "0"),
@@ -141,20 +142,27 @@ class TestNeverInTheWay:
     async def test_hung_runtime_delays_nothing(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
-        """A runtime that never answers: READY, registration and Allocate go on; STATUS shows no verdict."""
+        """A runtime that never answers holds the start for FIRST_VERDICT at most: READY, registration and
+        Allocate go on, and STATUS says that no runtime has answered since the start."""
         runtime = await FakeRuntime(tmp_path / "runtime.sock", "containerd", "1.7.24", containerd_info(True)).start()
         runtime.hang = True
         notify = NotifyReceiver(tmp_path / "notify")
         kubelet = await started_kubelet(plugin_dir)
         try:
+            began = time.monotonic()
             async with daemon_in_process(cdi_config(plugin_dir, fake_root, tmp_path), kernel, notify=notify.path):
                 await notify.wait_for(lambda f: "READY" in f)
                 await kubelet.next_event("register")
+                took = time.monotonic() - began
+                assert FIRST_VERDICT <= took < FIRST_VERDICT + 2.0, took
                 response = await kubelet.allocate("ate.dev/kvm", ["kvm-1"])
                 assert [d.name for d in response.container_responses[0].cdi_devices] == ["ate.dev/kvm=kvm"]
                 assert runtime.calls == ["Version"]
-                status = await notify.wait_for(lambda f: f.get("STATUS", "").endswith("registered"))
-                assert "cdi:" not in status["STATUS"]
+                status = await notify.wait_for(lambda f: f.get("STATUS", "").endswith("within 1.5 s)"))
+                assert (
+                    "| cdi: unknown whether CDI is applied (no runtime has answered since the start: it did"
+                    in (status["STATUS"])
+                )
         finally:
             await kubelet.stop()
             await runtime.stop()
@@ -202,14 +210,15 @@ def verdict_line(verdict: str, runtime: str = "containerd 1.7.24") -> str:
 
 
 class TestFollowsTheRuntime:
-    """The verdict follows the runtime's socket (inotify on its directory): unknown as soon as it goes,
-    asked again when it is created, with nothing else (no reload, no kubelet) happening."""
+    """The verdict follows the runtime's socket (inotify on its directory): kept, marked away, as soon as it
+    goes, asked again when it is created, with nothing else (no reload, no kubelet) happening."""
 
     async def test_restarts_with_enable_cdi_toggled(
         self, tmp_path: Path, plugin_dir: Path, fake_root: Path, kernel: FakeKernel
     ) -> None:
-        """Each restart with enable_cdi toggled: STATUS and the metric say "unknown" once the socket is gone,
-        then the new verdict once it is back; one question per start. The latencies are printed."""
+        """Each restart with enable_cdi toggled: STATUS says the verdict is kept once the socket is gone (the
+        metric keeps it), then the new verdict once it is back; one question per start. The latencies are
+        printed."""
         cdi = [str(plugin_dir.parent / "cdi")]
         socket = tmp_path / "runtime.sock"
         runtime = await started(socket, False, cdi)
@@ -227,12 +236,15 @@ class TestFollowsTheRuntime:
                     asked = runtime.calls.count("Version")
                     notify.forget()
                     began = time.monotonic()
+                    kept = "applies CDI" if not enable else "ignores CDI"
                     await stopped(runtime)
                     at, _ = await notify.wait_stamped(
-                        lambda f: "cdi: unknown whether CDI is applied (no runtime socket at" in f.get("STATUS", "")
+                        lambda f, kept=kept: (
+                            f"{kept} (" in f.get("STATUS", "")
+                            and "; kept while the runtime is away (its socket " in f.get("STATUS", "")
+                        )
                     )
-                    await wait_for_content(prom, verdict_line("unknown", runtime=""))
-                    files.append(time.monotonic() - began)
+                    assert verdict_line("applied" if not enable else "not_applied") in prom.read_text()
                     gone.append(at - began)
                     notify.forget()
                     began = time.monotonic()
@@ -248,7 +260,7 @@ class TestFollowsTheRuntime:
         finally:
             await runtime.stop()
             await notify.close()
-        print(f"STATUS unknown after the socket went: {fmt(gone)}; new verdict after it came back: {fmt(back)}")
+        print(f"STATUS away after the socket went: {fmt(gone)}; new verdict after it came back: {fmt(back)}")
         print(f"metrics file seen following: {fmt(files)}")
         assert max(gone) < 2.0 and max(back) < 2.0 and max(files) < 3.0, (gone, back, files)
 
@@ -322,7 +334,8 @@ class TestFollowsTheRuntime:
             async with daemon_in_process(config, kernel, notify=notify.path):
                 await notify.wait_for(
                     lambda f: (
-                        f"cdi: unknown whether CDI is applied (no runtime socket at {socket})" in f.get("STATUS", "")
+                        "cdi: unknown whether CDI is applied (no runtime has answered since the start: no runtime "
+                        f"socket at {socket})" in f.get("STATUS", "")
                     )
                 )
                 socket.parent.mkdir(parents=True)

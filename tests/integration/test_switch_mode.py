@@ -27,6 +27,7 @@ from ate_devplugd import config as configmod
 from ate_devplugd.commands import switch, switch_files
 from ate_devplugd.commands.switch_files import HostFiles
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.cri import FakeRuntime, containerd_info
 from tests.fakes.dra_kubelet import FakeDraKubelet
 from tests.fakes.kubelet import FakeKubelet
 from tests.fakes.scheduler import NodeStatusReporter, Pod, PodKubelet, Scheduler
@@ -195,6 +196,9 @@ async def node(
                     pod.gone = True
             return Outcome(list(pods), list(windows))
 
+        # the node's runtime applies CDI and reads cdi_dir: DRA mode offers a device only on its word
+        cri = FakeRuntime(base / "runtime.sock", "containerd", "2.1.9", containerd_info(True, [str(base / "cdi")]))
+        await cri.start()
         await dp.start()
         await dra.start()
         await systemd.start()
@@ -220,6 +224,7 @@ async def node(
             await dra.stop()
             await dp.stop()
             await api.stop()
+            await cri.stop()
 
 
 def report(name: str, outcome: Outcome) -> None:

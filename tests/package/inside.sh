@@ -401,6 +401,15 @@ uncordoned() {
     grep -qx 'unschedulable false' <<<"$state" && grep -qx 'annotations {}' <<<"$state"
 }
 
+# DRA mode gives a device only through CDI, and offers it only on the runtime's word that it applies
+# CDI names and reads /var/run/cdi: the node's runtime for the moves (containerd with CDI on).
+cdi_runtime() {
+    systemd-run --unit=fake-runtime --collect -p KillSignal=SIGTERM \
+        -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
+        python3 "$share/tests/fakes/cri.py" --socket /run/containerd/containerd.sock --enable-cdi true &&
+        wait_for 30 test -S /run/containerd/containerd.sock
+}
+
 start_control_plane() {
     systemd-run --unit=fake-control-plane --collect -p KillSignal=SIGTERM \
         -E PYTHONPATH="$pythonpath" -E PYTHONUNBUFFERED=1 \
@@ -504,13 +513,14 @@ without_dra() {  # the conffile as the later checks expect it, and no drop-in, w
     rm -f "$dropin" && { rmdir "$dropin_dir" 2>/dev/null || true; }
     systemctl daemon-reload && systemctl restart "$unit" && is_running &&
         kubelet_event --after "$t" --timeout 60 list resource=ate.dev/kvm healthy="$units" >/dev/null &&
-        systemctl stop fake-control-plane.service
+        systemctl stop fake-control-plane.service fake-runtime.service
 }
 
 # The Node's allocatable is the device manager's healthy units: without a usable /dev/kvm there are
 # none, and the device-plugin path never shows; the moves are not tried then.
 if [ "$kvm_ok" = 1 ]; then
     must "fake control plane serving (API server, DRA plugin watcher, node-status update)" start_control_plane
+    must "the node's runtime answering, CDI on" cdi_runtime
     check "switch-mode dra: mode line written, drop-in linked, restarted with it, DRA driver registered and its slice published, uncordoned" \
         to_dra
     check "switch-mode dra again: nothing to do (switch-done), no restart, no cordon" dra_again

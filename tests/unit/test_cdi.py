@@ -13,7 +13,7 @@ from typing import Any
 
 from ate_devplugd.config import device as device_config
 from ate_devplugd.config.device import DeviceConfig
-from ate_devplugd.node import cdi
+from ate_devplugd.node import cdi, cdispec
 from ate_devplugd.node.devices import Presence, Resource
 from tests.support import recording_events
 
@@ -30,7 +30,7 @@ class TestSpec:
     def test_every_field_written(self) -> None:
         """cdiVersion 0.3.0, the kind, one device named after the node, type, numbers, rw, fileMode as a
         number; uid and gid only when configured."""
-        assert cdi.spec(KVM, 10, 232) == {
+        assert cdispec.spec(KVM, 10, 232) == {
             "cdiVersion": "0.3.0",
             "kind": "ate.dev/kvm",
             "devices": [
@@ -54,7 +54,7 @@ class TestSpec:
         owned = DeviceConfig(
             "ate.dev/kvm", "/dev/kvm", cdi=True, container_mode=0o660, container_uid=0, container_gid=107
         )
-        node = cdi.spec(owned, 10, 232)["devices"][0]["containerEdits"]["deviceNodes"][0]
+        node = cdispec.spec(owned, 10, 232)["devices"][0]["containerEdits"]["deviceNodes"][0]
         assert (node["fileMode"], node["uid"], node["gid"]) == (0o660, 0, 107)
 
     def test_names(self, tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ class TestSpec:
         tun = DeviceConfig("ate.dev/tun", "/dev/net/tun", cdi=True)
         assert device_config.qualified_name(KVM) == "ate.dev/kvm=kvm"
         assert device_config.qualified_name(tun) == "ate.dev/tun=tun"
-        assert cdi.spec_path(str(tmp_path), tun) == str(tmp_path / "ate.dev-tun.json")
+        assert cdispec.spec_path(str(tmp_path), tun) == str(tmp_path / "ate.dev-tun.json")
 
 
 class TestCdiSpecs:
@@ -76,7 +76,7 @@ class TestCdiSpecs:
         finally:
             os.umask(old)
         path = tmp_path / "cdi" / "ate.dev-kvm.json"
-        assert json.loads(path.read_text()) == cdi.spec(KVM, 10, 232)
+        assert json.loads(path.read_text()) == cdispec.spec(KVM, 10, 232)
         assert path.stat().st_mode & 0o777 == 0o644
         assert resource.cdi_device == "ate.dev/kvm=kvm"
         assert [p.name for p in path.parent.iterdir()] == ["ate.dev-kvm.json"], "no temp file left"
@@ -120,21 +120,87 @@ class TestCdiSpecs:
         assert (tmp_path / "ate.dev-kvm.json").stat().st_ino == inode
         assert resource.cdi_device == "ate.dev/kvm=kvm"
 
-    async def test_unwritable_directory_falls_back_once(self, tmp_path: Path) -> None:
-        """A directory that cannot be made: one warning, no CDI name (plain DeviceSpec), until a reload."""
-        blocker = tmp_path / "file"
-        blocker.write_text("")
-        specs = cdi.CdiSpecs(str(blocker / "cdi"))
+    async def test_unwritable_kept_trying_then_written(self, tmp_path: Path) -> None:
+        """A file where cdi_dir should be: one warning with the cause, no CDI name, NOT_WRITTEN and why;
+        tried again on a back-off (no event tells of the file's removal), written once it can be, and the
+        owner told each time, outside a look."""
+        directory = tmp_path / "cdi"
+        directory.write_text("")
+        changed: list[str] = []
+        specs = cdi.CdiSpecs(str(directory), on_change=lambda r: changed.append(r.name))
+        specs.apply(str(directory), (KVM,))
         resource = present(KVM)
-        with recording_events() as events:
-            for _ in range(3):
+        try:
+            with recording_events() as events:
+                for _ in range(3):
+                    specs.sync(resource)
+                (warning,) = events.named("cdi-failed")
+                assert warning.levelno == logging.WARNING and f"{directory} is not a directory" in warning.getMessage()
+                assert "spec-missing" in warning.getMessage() and "never granted" in warning.getMessage()
+                assert resource.cdi_device is None
+                assert specs.state("ate.dev/kvm") is cdispec.SpecState.NOT_WRITTEN
+                assert specs.failure("ate.dev/kvm") == (
+                    f"cannot write the CDI spec {directory}/ate.dev-kvm.json: {directory} is not a directory"
+                )
+                directory.unlink()
+                written = await events.wait_for("cdi-spec", timeout=5)
+                assert "it could not be written before" in written.getMessage()
+            assert resource.cdi_device == "ate.dev/kvm=kvm" and (directory / "ate.dev-kvm.json").exists()
+            assert specs.state("ate.dev/kvm") is cdispec.SpecState.OURS and specs.failure("ate.dev/kvm") == ""
+            assert changed == ["ate.dev/kvm"]
+        finally:
+            specs.close()
+
+    async def test_a_heal_that_cannot_write_says_so(self, tmp_path: Path) -> None:
+        """The spec removed, and cdi_dir cannot be made again (a file there): the heal fails with the cause,
+        the owner hears it, and the spec is back once the file goes."""
+        directory = tmp_path / "cdi"
+        directory.mkdir()
+        changed: list[str] = []
+        specs = cdi.CdiSpecs(str(directory), on_change=lambda r: changed.append(r.name))
+        specs.apply(str(directory), (KVM,))
+        resource = present(KVM)
+        try:
+            with recording_events() as events:
                 specs.sync(resource)
-        (warning,) = events.named("cdi-failed")
-        assert warning.levelno == logging.WARNING and "without CDI" in warning.getMessage()
-        assert resource.cdi_device is None
-        specs.apply(str(tmp_path / "cdi"), (KVM,))
-        specs.sync(resource)
-        assert resource.cdi_device == "ate.dev/kvm=kvm" and (tmp_path / "cdi" / "ate.dev-kvm.json").exists()
+                shutil.rmtree(directory)
+                directory.write_text("")
+                failed = await events.wait_for("cdi-failed", timeout=5)
+                assert "is not a directory" in failed.getMessage()
+                assert changed and resource.cdi_device is None and "not a directory" in specs.failure("ate.dev/kvm")
+                directory.unlink()
+                await events.wait_for(cdi.EVENT_RESTORED, timeout=5)
+            assert specs.state("ate.dev/kvm") is cdispec.SpecState.OURS and resource.cdi_device == "ate.dev/kvm=kvm"
+        finally:
+            specs.close()
+
+    async def test_a_directory_renamed_away(self, tmp_path: Path) -> None:
+        """cdi_dir renamed away (mv, or the first of two renames): ``moved`` says when and which directory
+        went; the spec is written into a new cdi_dir at once; a reload to another directory forgets it."""
+        directory = tmp_path / "cdi"
+        directory.mkdir()
+        changed: list[str] = []
+        specs = cdi.CdiSpecs(str(directory), on_change=lambda r: changed.append(r.name))
+        specs.apply(str(directory), (KVM,))
+        resource = present(KVM)
+        try:
+            with recording_events() as events:
+                specs.sync(resource)
+                old = os.stat(directory)
+                assert specs.moved is None
+                directory.rename(tmp_path / "cdi.old")
+                await events.wait_for(cdi.EVENT_REPLACED, timeout=5)
+                moved = specs.moved
+                assert moved is not None and moved.identity == (old.st_dev, old.st_ino)
+                assert moved.detail == f"{directory} was replaced (renamed away)"
+                assert "ate.dev/kvm" in changed
+                assert (directory / "ate.dev-kvm.json").exists() and os.stat(directory).st_ino != old.st_ino
+                shutil.rmtree(tmp_path / "cdi.old")  # gone for good: still replaced (the runtime must restart)
+                assert specs.moved == moved
+            specs.apply(str(tmp_path / "elsewhere"), (KVM,))
+            assert specs.moved is None
+        finally:
+            specs.close()
 
     async def test_removed_when_the_resource_leaves_or_stops_using_cdi(self, tmp_path: Path) -> None:
         """A reload that drops the resource, or turns its CDI off, removes its spec; others stay."""
@@ -163,7 +229,7 @@ class TestSelfHealing:
         record = await events.wait_for(cdi.EVENT_RESTORED, timeout=5)
         assert record.levelno == logging.WARNING
         assert len(counted) == before + 1 and counted[-1] == "ate.dev/kvm"
-        assert specs.state("ate.dev/kvm") is cdi.SpecState.OURS
+        assert specs.state("ate.dev/kvm") is cdispec.SpecState.OURS
         return str(record.getMessage())
 
     async def test_removed_changed_invalid_each_written_back(self, tmp_path: Path) -> None:
@@ -177,10 +243,10 @@ class TestSelfHealing:
             with recording_events() as events:
                 specs.sync(resource)
                 written = path.read_bytes()
-                assert specs.state("ate.dev/kvm") is cdi.SpecState.OURS
+                assert specs.state("ate.dev/kvm") is cdispec.SpecState.OURS
                 msg = await self.healed(specs, events, counted, path.unlink)
                 assert "was removed" in msg and path.read_bytes() == written
-                other = json.dumps({**cdi.spec(KVM, 10, 232), "kind": "ate.dev/other"})
+                other = json.dumps({**cdispec.spec(KVM, 10, 232), "kind": "ate.dev/other"})
                 msg = await self.healed(specs, events, counted, lambda: path.write_text(other))
                 assert "was changed" in msg and path.read_bytes() == written
                 msg = await self.healed(specs, events, counted, lambda: path.write_text("{not json"))
@@ -207,14 +273,14 @@ class TestSelfHealing:
         resource = present(KVM)
         specs.sync(resource)
         (tmp_path / "ate.dev-kvm.json").unlink()
-        assert specs.state("ate.dev/kvm") is cdi.SpecState.REMOVED
+        assert specs.state("ate.dev/kvm") is cdispec.SpecState.REMOVED
         with recording_events() as events:
             specs.sync(resource)
-        assert specs.state("ate.dev/kvm") is cdi.SpecState.OURS and counted == ["ate.dev/kvm"]
+        assert specs.state("ate.dev/kvm") is cdispec.SpecState.OURS and counted == ["ate.dev/kvm"]
         assert [r.getMessage() for r in events.named(cdi.EVENT_RESTORED)] == [
             f"the CDI spec {tmp_path}/ate.dev-kvm.json of ate.dev/kvm was removed; wrote it back"
         ]
-        assert specs.state("ate.dev/tun") is cdi.SpecState.NOT_WRITTEN
+        assert specs.state("ate.dev/tun") is cdispec.SpecState.NOT_WRITTEN
 
     async def test_other_files_and_our_own_write_do_not_heal(self, tmp_path: Path) -> None:
         counted: list[str] = []

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ate_devplugd.cri.rules import LoadedSpec, Trouble, load, problems, qualified_names, resolve
+from ate_devplugd.cri.rules import DeviceNode, LoadedSpec, Trouble, load, problems, qualified_names, resolve
 
 KVM = "ate.dev/kvm=kvm"
 OURS = "/etc/cdi/ate.dev-kvm.json"
@@ -25,7 +25,26 @@ def spec(kind: str = "ate.dev/kvm", *names: str, version: str = "0.3.0", **extra
 class TestWhichLoad:
     def test_ours_loads(self) -> None:
         assert qualified_names(spec()) == (KVM,)
-        assert load(OURS, 0, json.dumps(spec())) == LoadedSpec(OURS, 0, (KVM,))
+        node = DeviceNode("/dev/kvm", type="c", major=10, minor=232, file_mode=0o666, permissions="rw")
+        assert load(OURS, 0, json.dumps(spec())) == LoadedSpec(OURS, 0, (KVM,), nodes=((node,),))
+
+    def test_the_nodes_each_name_gives(self) -> None:
+        """A device's nodes, then the spec's own (the library applies them to every device of the spec);
+        field names in any case, as Go's JSON decoding matches them; what is left out stays None."""
+        raw = {
+            "cdiVersion": "0.6.0",
+            "kind": "other.io/kvm",
+            "containerEdits": {"DeviceNodes": [{"path": "/dev/net/tun"}]},
+            "devices": [
+                {"name": "a", "containerEdits": {"deviceNodes": [{"Path": "/dev//kvm", "FileMode": 384, "uid": 0}]}},
+                {"name": "b", "containerEdits": {"env": ["A=1"]}},
+            ],
+        }
+        loaded = load("/etc/cdi/other.json", 1, json.dumps(raw))
+        tun = DeviceNode("/dev/net/tun")
+        assert loaded.nodes_of("other.io/kvm=a") == (DeviceNode("/dev/kvm", file_mode=0o600, uid=0), tun)
+        assert loaded.nodes_of("other.io/kvm=b") == (tun,)
+        assert loaded.nodes_of("other.io/kvm=c") == ()
 
     def test_yaml(self) -> None:
         text = "cdiVersion: 0.6.0\nkind: other.io/kvm\ndevices:\n- name: kvm\n  containerEdits:\n    env: [A=1]\n"
@@ -111,8 +130,11 @@ class TestProblems:
         assert problem.remedy().startswith("remove /etc/cdi/a.json, or rename it")
 
     def test_later_directory_replaces_ours(self) -> None:
-        (problem,) = problems([loaded(OURS, 0), loaded("/var/run/cdi/b.json", 1)], {KVM: [OURS]})
-        assert (problem.trouble, problem.breaks) == (Trouble.REPLACES, True)
+        """The problem carries the replacing device's nodes, so the VMM's access to them can be judged."""
+        node = (DeviceNode("/dev/kvm", file_mode=0o600),)
+        later = LoadedSpec("/var/run/cdi/b.json", 1, (KVM,), nodes=(node,))
+        (problem,) = problems([loaded(OURS, 0), later], {KVM: [OURS]})
+        assert (problem.trouble, problem.breaks, problem.nodes) == (Trouble.REPLACES, True, node)
         assert "containers get its device" in problem.describe()
 
     def test_earlier_directory_loses_to_ours(self) -> None:

@@ -28,7 +28,11 @@ def node(tmp_path: Path, mode: int) -> str:
     return str(path)
 
 
-def config(tmp_path: Path, mode: str = "device-plugin") -> Config:
+def config(tmp_path: Path, mode: str = "device-plugin", *, spec: bool = True) -> Config:
+    """A config whose cdi_dir holds our spec (as the daemon keeps it), unless ``spec`` is False."""
+    (tmp_path / "cdi").mkdir(exist_ok=True)
+    if spec:
+        (tmp_path / "cdi" / "ate.dev-kvm.json").write_text("{}")
     return Config(plugin_dir=str(tmp_path / "dp"), cdi_dir=str(tmp_path / "cdi"), mode=mode)
 
 
@@ -57,6 +61,7 @@ class TestEachVerdict:
         assert found.message.startswith("host 0660 ")
         assert "gets EACCES: the runtime does not apply its CDI spec" in found.message
         assert "withholds" not in found.message  # cdi = true: a root VMM opens the host's node
+        assert found.remedy.endswith('set cdi = "required" so that it is not offered meanwhile')
         found = access_finding(config(tmp_path), device(), node(tmp_path, 0o666), report(CdiVerdict.NOT_APPLIED))
         assert found.level is Level.OK
         assert "EACCES" not in found.message and "withholds" not in found.message
@@ -100,7 +105,8 @@ class TestEachVerdict:
         assert "EACCES" not in found.message
 
     def test_unknown_cannot_tell(self, tmp_path: Path) -> None:
-        """Unknown: cannot tell; "runtime not found" when no runtime answered."""
+        """Unknown: cannot tell; "runtime not found" when no runtime answered; a device whose VMM needs its
+        CDI name applied is withheld then (unknown is not usable)."""
         unknown = report(CdiVerdict.UNKNOWN, "how crun treats CDI names is not known", name="crun")
         found = access_finding(config(tmp_path), device(), node(tmp_path, 0o660), unknown)
         assert found.level is Level.WARN
@@ -109,6 +115,14 @@ class TestEachVerdict:
         absent = RuntimeReport(CdiVerdict.UNKNOWN, "no runtime socket at /run/containerd/containerd.sock")
         found = access_finding(config(tmp_path), device(), node(tmp_path, 0o660), absent)
         assert found.message.endswith("cannot tell what containers get (runtime not found)")
+        found = access_finding(config(tmp_path), device(cdi_required=True), node(tmp_path, 0o660), absent)
+        assert found.message.endswith("(runtime not found); the daemon withholds it (cdi-unknown)")
+
+    def test_our_spec_not_on_disk(self, tmp_path: Path) -> None:
+        """Applied, but our spec is not there: no container resolves the name; the daemon withholds it."""
+        cfg = config(tmp_path, spec=False)
+        found = access_finding(cfg, device(cdi_required=True), node(tmp_path, 0o660), report(CdiVerdict.APPLIED))
+        assert found.level is Level.FAIL and found.message.endswith("the daemon withholds it (spec-missing)")
 
     def test_no_cdi_for_it(self, tmp_path: Path) -> None:
         """A resource without CDI: the host's owner and mode whatever the runtime does."""
@@ -116,4 +130,5 @@ class TestEachVerdict:
         found = access_finding(config(tmp_path), plain, node(tmp_path, 0o660), report(CdiVerdict.APPLIED))
         assert found.level is Level.WARN
         assert "gets EACCES; no CDI for it" in found.message
+        assert found.remedy == 'set cdi = "required" for it (README: Non-root sandboxes)'
         assert os.stat(tmp_path / "kvm").st_mode & 0o777 == 0o660

@@ -46,11 +46,13 @@ class DirEvent(NamedTuple):
 
     ``kind`` is ``created``, ``removed`` or ``written`` (with ``name``; ``written``: a file opened for
     writing was closed, reported only to a watcher made with ``contents=True``), ``dir-gone``,
-    ``dir-back`` or ``overflow`` (events were lost: re-read everything).
+    ``dir-back`` or ``overflow`` (events were lost: re-read everything). ``moved``: a ``dir-gone`` whose
+    directory was renamed away (it lives on elsewhere: a watch on it would follow it there), not removed.
     """
 
     kind: str
     name: str = ""
+    moved: bool = False
 
 
 class _Libc:
@@ -192,7 +194,7 @@ class DirWatcher:
                 elif wd == self._wd:
                     if mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_UNMOUNT):
                         if self.watching:
-                            events.append(DirEvent("dir-gone"))
+                            events.append(DirEvent("dir-gone", moved=bool(mask & IN_MOVE_SELF)))
                         self.watching = False
                         rearm = True
                     elif mask & (IN_CREATE | IN_MOVED_TO):

@@ -6,6 +6,11 @@ whenever the runtime's socket is created again; the socket is the one ``cri.ask.
 and why are said when they change (``runtime-endpoint``). Each answer also points the spec check
 (``cri.conflicts.SpecCheck``) at ``cdi_dir`` and the spec directories the runtime reads (``cdi_dir``
 alone where it does not say).
+
+The verdict is state the daemon reads before it serves: ``first_verdict`` waits (bounded by
+``FIRST_VERDICT``) for the runtime's answer, or for the sign that none can come (no socket). A verdict
+is kept while the runtime is away (its socket gone, or no answer) until it answers again; only where no
+runtime has answered since the start (for the socket and ``cdi_dir`` asked) is the verdict ``unknown``.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from ate_devplugd.base.inotify import DirEvent, DirWatcher, watch_dir
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.config.device import DeviceConfig
-from ate_devplugd.cri.ask import absent_report, ask, discover
+from ate_devplugd.cri.ask import ask, discover
 from ate_devplugd.cri.conflicts import SpecCheck, dirs_to_read
 from ate_devplugd.cri.conflicts import status as specs_status
 from ate_devplugd.cri.endpoint import DEFAULT_RUNTIME_SOCKETS
 from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport, consequence
+from ate_devplugd.cri.verdict import HeldVerdict
 
 if TYPE_CHECKING:
     from ate_devplugd.cri.endpoint import Endpoint
@@ -45,24 +51,32 @@ SETTLE_DELAY = 0.05
 RETRY_FIRST = 0.1
 RETRY_CAP = 5.0
 RETRY_FOR = 60.0
+#: How long the start waits for the runtime's first verdict before it serves without one (``unknown``):
+#: containerd answers in 3-5 ms; one that hangs must not hold the start.
+FIRST_VERDICT = 1.5
 
 
 class RuntimeCheck:
     """The daemon's question to the runtime: asked at start, on reload, when kubelet starts, and whenever
     the runtime's socket is created again (containerd and CRI-O create theirs anew at every start); on a
     timer only while a runtime that is there gives no answer (see below). Each ask replaces one still
-    running. It runs beside everything else on the loop, so a runtime that is slow or absent delays
-    nothing. Each new verdict is logged once (a warning when the names will not work, info otherwise)
-    and shown in STATUS and the metrics.
+    running. It runs beside everything else on the loop: a runtime that is slow or absent delays only what
+    awaits ``first_verdict``, for ``FIRST_VERDICT`` at most. Each new verdict is logged once (a warning
+    when the names will not work, info otherwise) and shown in STATUS and the metrics.
 
     The socket is followed by inotify on its directory (``DirWatcher``, on the loop): the one ``discover``
     named (``runtime_socket``, or kubelet's), else the directory of each usual socket (a directory not
     there yet is waited for from its nearest existing ancestor). The watch is installed before the first
     question, so no start of the runtime falls between the two. When the socket the verdict came from is
-    removed, the verdict is UNKNOWN at once (a stopped runtime applies nothing); a socket created (or a
+    removed, the verdict is kept, marked away (a runtime that restarts comes back with its config, and
+    until it does no container is created): only its next answer replaces it. A socket created (or a
     directory back, or lost events) asks again ``SETTLE_DELAY`` after the first event, one question for
     the whole burst. A runtime that is there but answers with an error is asked again on a doubling delay
-    for a while (``RETRY_FOR``): no event says when a starting runtime is ready to answer."""
+    for a while (``RETRY_FOR``): no event says when a starting runtime is ready to answer.
+
+    Each verdict carries ``since``: the loop time after which the runtime that gave it started (its socket
+    was last seen gone then), so that ``cri.usable`` can tell whether it started after ``cdi_dir`` was
+    replaced (its CDI cache then follows the new directory)."""
 
     def __init__(
         self,
@@ -74,8 +88,10 @@ class RuntimeCheck:
         #: ``cri.ask.ask`` unless a test gives its own.
         self._ask = asker or ask
         self._task: asyncio.Task[None] | None = None
-        self._report: RuntimeReport | None = None
-        self._logged: tuple[CdiVerdict, str, str] | None = None
+        self._verdict = HeldVerdict()
+        self._logged: tuple[CdiVerdict, str, str, bool] | None = None
+        #: The verdict last told to the owner.
+        self._shown: RuntimeReport | None = None
         self._mode = "device-plugin"
         self._socket = ""
         self._cdi_dir = ""
@@ -93,8 +109,8 @@ class RuntimeCheck:
 
     @property
     def report(self) -> RuntimeReport | None:
-        """The latest verdict; None while the check is off or has not answered yet."""
-        return self._report
+        """The verdict (``cri.verdict``); None while the check is off or before its first question ends."""
+        return self._verdict.report
 
     @property
     def watched(self) -> tuple[str, ...]:
@@ -112,9 +128,22 @@ class RuntimeCheck:
         directories (empty while the check is off)."""
         return () if self._specs is None else self._specs.problems
 
+    async def first_verdict(self, timeout: float = FIRST_VERDICT) -> RuntimeReport | None:
+        """The verdict once one is known for the socket and ``cdi_dir`` asked: the runtime's answer, or
+        ``unknown`` where there is no socket to ask or after ``timeout`` without an answer (the question
+        goes on, and its answer replaces it). At once while the check is off or a verdict is kept."""
+        if self._watched and not self._verdict.known.is_set():
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._verdict.known.wait()
+            except TimeoutError:
+                self._show(self._verdict.unknown(f"it did not answer within {timeout:g} s"))
+        return self._verdict.report
+
     def status_parts(self) -> list[str]:
         """What STATUS says of the runtime: its verdict once it answered, then any problem with the specs."""
-        parts = [] if self._report is None else [f"cdi: {self._report.describe()}"]
+        report = self._verdict.report
+        parts = [] if report is None else [f"cdi: {report.status()}"]
         if self._specs is None:
             return parts
 
@@ -133,7 +162,10 @@ class RuntimeCheck:
             if self._specs is not None:
                 self._specs.close()
             self._logged = None
-            self._set(None)
+            self._verdict.forget()
+            if self._shown is not None:
+                self._shown = None
+                self._on_report(None)
             return
 
         if self._specs is None:
@@ -142,6 +174,7 @@ class RuntimeCheck:
         self._say_endpoint(endpoint)
         self._endpoint = endpoint
         self._mode, self._socket, self._cdi_dir, self._devices = mode, endpoint.socket, cdi_dir, devices
+        self._verdict.expect(endpoint.socket, cdi_dir)
         self._watch((endpoint.socket,) if endpoint.named else DEFAULT_RUNTIME_SOCKETS)
         self._task = asyncio.get_running_loop().create_task(
             self._run(endpoint.socket, cdi_dir), name="runtime CDI check"
@@ -194,16 +227,15 @@ class RuntimeCheck:
     def _on_dir_events(self, names: frozenset[str], events: list[DirEvent]) -> None:
         if not any(ev.name in names if ev.kind in ("created", "removed") else True for ev in events):
             return
-        report = self._report
-        if report is not None and report.socket and look(report.socket) is Look.ABSENT:
-            # The runtime the verdict came from is gone: it applies nothing now, whatever it said.
-
+        if any(ev.kind == "dir-gone" or (ev.kind == "removed" and ev.name in names) for ev in events):
+            self._verdict.gone()
+        report = self._verdict.report
+        if report is not None and report.answered and look(report.socket) is Look.ABSENT:
+            # The runtime the verdict came from is away: no container is created until it is back, and
+            # it comes back with its config. The verdict stands until it answers again (cri.verdict).
             self._cancel()
-            gone = absent_report(self._socket) or RuntimeReport(
-                CdiVerdict.UNKNOWN, f"no runtime socket at {report.socket}", socket=report.socket
-            )
-            self._log(gone)
-            self._set(gone)
+            gone = RuntimeReport(CdiVerdict.UNKNOWN, f"its socket {report.socket} is gone", socket=report.socket)
+            self._show(self._verdict.heard(gone))
         if self._settle is None:
             self._settle = asyncio.get_running_loop().call_later(SETTLE_DELAY, self._settled)
 
@@ -216,13 +248,12 @@ class RuntimeCheck:
 
     # -- the verdict -------------------------------------------------------------------------------
     async def _run(self, socket: str, cdi_dir: str) -> None:
-        report: RuntimeReport = await self._ask(socket, cdi_dir)
-        self._log(report)
-        self._set(report)
-
+        answer: RuntimeReport = await self._ask(socket, cdi_dir)
+        report = self._verdict.heard(answer)
+        self._show(report)
         assert self._specs is not None  # made by start()
         self._specs.start(dirs_to_read(report.spec_dirs, cdi_dir), cdi_dir, self._devices)
-        self._retry_if_unanswered(report)
+        self._retry_if_unanswered(answer)
 
     def _retry_if_unanswered(self, report: RuntimeReport) -> None:
         """Ask again later while a runtime that is there gives no answer, for ``RETRY_FOR`` at most."""
@@ -253,21 +284,30 @@ class RuntimeCheck:
 
     def _specs_changed(self) -> None:
         """The spec check found problems, or they are gone: the owner shows them (STATUS)."""
-        if self._report is not None:
-            self._on_report(self._report)
+        if self._verdict.report is not None:
+            self._on_report(self._verdict.report)
 
-    def _set(self, report: RuntimeReport | None) -> None:
-        if report != self._report:
-            self._report = report
+    def _show(self, report: RuntimeReport) -> None:
+        """A verdict the held one became: logged when new, and told to the owner when it changed."""
+        self._log(report)
+        if report != self._shown:
+            self._shown = report
             self._on_report(report)
 
     def _log(self, report: RuntimeReport) -> None:
-        key = (report.verdict, report.runtime, report.reason)
+        key = (report.verdict, report.runtime, report.reason, bool(report.away))
         if key == self._logged:
             return
         self._logged = key
         events = EventLog(log)
-        if report.verdict in (CdiVerdict.NOT_APPLIED, CdiVerdict.DIR_NOT_READ):
+        if report.away:
+            events.info(
+                EVENT_AWAY,
+                "cdi: %s is away (%s); its verdict stands until it answers again",
+                report.runtime,
+                report.away,
+            )
+        elif report.verdict in (CdiVerdict.NOT_APPLIED, CdiVerdict.DIR_NOT_READ):
             events.warning(EVENT_NOT_APPLIED, "cdi: %s; %s", report.describe(), consequence(report.verdict, self._mode))
         else:
             events.info(EVENT_RUNTIME, "cdi: %s", report.describe())
@@ -275,9 +315,11 @@ class RuntimeCheck:
 
 #: Journal event: the runtime socket asked, and why (when it changes).
 EVENT_ENDPOINT = "runtime-endpoint"
-#: Journal events: a verdict under which our CDI names will not work, and any other verdict.
+#: Journal events: a verdict under which our CDI names will not work, any other verdict, and a runtime
+#: gone away whose verdict is kept.
 EVENT_NOT_APPLIED = "cdi-not-applied"
 EVENT_RUNTIME = "cdi-runtime"
+EVENT_AWAY = "cdi-runtime-away"
 #: Journal event: the runtime socket's directory cannot be watched (the verdict then follows less).
 EVENT_UNWATCHED = "cdi-unwatched"
 

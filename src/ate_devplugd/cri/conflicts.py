@@ -24,7 +24,7 @@ from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config.device import DeviceConfig, qualified_name
 from ate_devplugd.cri.facts import reads_dir
 from ate_devplugd.cri.rules import LoadedSpec, SpecProblem, Trouble, is_spec_file, load, problems
-from ate_devplugd.node.cdi import spec_path
+from ate_devplugd.node.cdispec import spec_path
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,20 @@ class SpecCheck:
         self._watchers: list[DirWatcher] = []
         self._settle: asyncio.TimerHandle | None = None
         self._problems: tuple[SpecProblem, ...] = ()
+        #: Our spec files as the last scan found them (inode, mtime): read again when they differ.
+        self._ours_seen: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def problems(self) -> tuple[SpecProblem, ...]:
+        """The problems, as of our own specs now: where one of ours was written, rewritten or removed since
+        the last scan (the daemon writes ours after its first scan, at start), the directories are read
+        again first, so that no decision rests on a reading older than our own write. The owner hears a
+        change found so on the next turn of the loop."""
+        if self._dirs and self._ours_now() != self._ours_seen:
+            before = self._problems
+            self._rescan(notify=False)
+            if self._problems != before:
+                asyncio.get_running_loop().call_soon(self._on_change)
         return self._problems
 
     @property
@@ -161,10 +172,23 @@ class SpecCheck:
         self._settle = None
         self._rescan()
 
-    def _rescan(self) -> None:
-        self._set(tuple(find(self._dirs, self._cdi_dir, self._devices)))
+    def _ours_now(self) -> tuple[tuple[int, int] | None, ...]:
+        out: list[tuple[int, int] | None] = []
+        for paths in ours(self._dirs, self._cdi_dir, self._devices).values():
+            for path in paths:
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    out.append(None)
+                else:
+                    out.append((st.st_ino, st.st_mtime_ns))
+        return tuple(out)
 
-    def _set(self, found: tuple[SpecProblem, ...]) -> None:
+    def _rescan(self, *, notify: bool = True) -> None:
+        self._ours_seen = self._ours_now()
+        self._set(tuple(find(self._dirs, self._cdi_dir, self._devices)), notify=notify)
+
+    def _set(self, found: tuple[SpecProblem, ...], *, notify: bool = True) -> None:
         events = EventLog(log)
         for problem in found:
             if problem in self._problems:
@@ -175,7 +199,8 @@ class SpecCheck:
                 events.warning(EVENT_CONFLICT, "cdi: %s", problem.describe())
         if found != self._problems:
             self._problems = found
-            self._on_change()
+            if notify:
+                self._on_change()
 
 
 def status(found: Iterable[SpecProblem]) -> str:

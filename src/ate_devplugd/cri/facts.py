@@ -71,6 +71,17 @@ class RuntimeReport:
     spec_dirs: tuple[str, ...] | None = None
     #: Its socket is there but it gave no answer (an error or none in time): asked again, it may answer.
     unanswered: bool = False
+    #: The daemon's loop time after which the runtime that answered started (its socket was last seen
+    #: absent then); None when it may be older than anything the daemon saw (``cri.check``).
+    since: float | None = None
+    #: Why the runtime does not answer now, where this verdict is the one it gave before ("" while it
+    #: answers): a verdict is kept until the runtime answers again.
+    away: str = ""
+
+    @property
+    def answered(self) -> bool:
+        """Whether a runtime answered (its Version named it), whatever the verdict."""
+        return bool(self.name)
 
     @property
     def runtime(self) -> str:
@@ -82,12 +93,16 @@ class RuntimeReport:
         what = {
             CdiVerdict.APPLIED: "applies CDI",
             CdiVerdict.NOT_APPLIED: "ignores CDI",
-            CdiVerdict.DIR_NOT_READ: "applies CDI but does not read our spec directory",
+            CdiVerdict.DIR_NOT_READ: "does not read our spec directory",
             CdiVerdict.UNKNOWN: "",
         }[self.verdict]
         if self.verdict is CdiVerdict.UNKNOWN:
             return f"unknown whether CDI is applied ({self.reason})"
         return f"{self.runtime} {what} ({self.reason})"
+
+    def status(self) -> str:
+        """STATUS's part: the verdict, and that it is kept while the runtime is away."""
+        return self.describe() + (f"; kept while the runtime is away ({self.away})" if self.away else "")
 
 
 # -- deciding --------------------------------------------------------------------------------------

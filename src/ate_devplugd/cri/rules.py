@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import enum
 import json
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 #: The extensions of the files the library reads as specs.
 SPEC_EXTENSIONS = (".json", ".yaml")
@@ -51,6 +52,20 @@ class SpecError(ValueError):
     """Why the library refuses a spec file."""
 
 
+class DeviceNode(NamedTuple):
+    """One device node a spec gives a container (``deviceNodes``): None where the spec leaves a field out."""
+
+    path: str
+    host_path: str = ""
+    type: str = ""
+    major: int | None = None
+    minor: int | None = None
+    file_mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    permissions: str = ""
+
+
 @dataclass(frozen=True)
 class LoadedSpec:
     """One spec file as the library reads it: where, at which priority, and the names it defines."""
@@ -62,6 +77,11 @@ class LoadedSpec:
     names: tuple[str, ...] = ()
     #: Why the library refuses it ("" when it loads).
     error: str = ""
+    #: The device nodes each name gives a container (its device's and the spec's own), as ``names``.
+    nodes: tuple[tuple[DeviceNode, ...], ...] = ()
+
+    def nodes_of(self, name: str) -> tuple[DeviceNode, ...]:
+        return self.nodes[self.names.index(name)] if name in self.names and self.nodes else ()
 
 
 def is_spec_file(name: str) -> bool:
@@ -83,13 +103,20 @@ def load(path: str, priority: int, text: str) -> LoadedSpec:
                 raw = json.loads(text)
             except ValueError as exc:
                 raise SpecError(f"not JSON: {exc}") from None
-        return LoadedSpec(path, priority, qualified_names(raw))
+        found = devices(raw)
+        return LoadedSpec(path, priority, tuple(n for n, _ in found), nodes=tuple(nodes for _, nodes in found))
     except SpecError as exc:
         return LoadedSpec(path, priority, error=str(exc))
 
 
 def qualified_names(raw: object) -> tuple[str, ...]:
     """The names a parsed spec defines (``vendor/class=name``); SpecError where the library refuses it."""
+    return tuple(name for name, _ in devices(raw))
+
+
+def devices(raw: object) -> tuple[tuple[str, tuple[DeviceNode, ...]], ...]:
+    """Each name a parsed spec defines, with the device nodes it gives a container (the device's, then the
+    spec's own, which the library applies to every device of the spec); SpecError where it is refused."""
     spec = _fields(raw, _SPEC_KEYS, "the spec")
     version = spec.get("cdiVersion")
     if version not in SPEC_VERSIONS:
@@ -99,11 +126,12 @@ def qualified_names(raw: object) -> tuple[str, ...]:
     if not (_VENDOR_OR_CLASS.fullmatch(vendor) and _VENDOR_OR_CLASS.fullmatch(klass)):
         raise SpecError(f"kind {kind!r} is not vendor/class")
     _edits(spec.get("containerEdits"), "the spec's containerEdits")
-    devices = spec.get("devices")
-    if not isinstance(devices, list) or not devices:
+    found = spec.get("devices")
+    if not isinstance(found, list) or not found:
         raise SpecError("no devices")
     names: list[str] = []
-    for raw_device in devices:
+    nodes: list[tuple[DeviceNode, ...]] = []
+    for raw_device in found:
         device = _fields(raw_device, _DEVICE_KEYS, "a device")
         name = device.get("name")
         if not isinstance(name, str) or not _DEVICE_NAME.fullmatch(name):
@@ -113,7 +141,37 @@ def qualified_names(raw: object) -> tuple[str, ...]:
         if not _edits(device.get("containerEdits"), f"device {name!r}"):
             raise SpecError(f"device {name!r} has empty containerEdits")
         names.append(name)
-    return tuple(f"{kind}={name}" for name in names)
+        nodes.append(_nodes(device["containerEdits"]) + _nodes(spec.get("containerEdits")))
+    return tuple((f"{kind}={name}", given) for name, given in zip(names, nodes, strict=True))
+
+
+def _nodes(raw: Any) -> tuple[DeviceNode, ...]:
+    """The device nodes of container edits the library accepted (``_edits`` checked them)."""
+    if not isinstance(raw, dict):
+        return ()
+    lower = {str(key).lower(): value for key, value in raw.items()}
+    out = []
+    for node in lower.get("devicenodes") or ():
+        fields = {str(key).lower(): value for key, value in node.items()}
+
+        def number(key: str, fields: dict[str, Any] = fields) -> int | None:
+            value = fields.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        out.append(
+            DeviceNode(
+                posixpath.normpath(fields["path"]),
+                str(fields.get("hostpath") or ""),
+                str(fields.get("type") or ""),
+                number("major"),
+                number("minor"),
+                number("filemode"),
+                number("uid"),
+                number("gid"),
+                str(fields.get("permissions") or ""),
+            )
+        )
+    return tuple(out)
 
 
 def _fields(raw: object, known: set[str], what: str) -> dict[str, Any]:
@@ -195,6 +253,8 @@ class SpecProblem:
     ours: str
     #: Why the library refuses our spec (REFUSED only).
     error: str = ""
+    #: The device nodes its device gives a container instead of ours (REPLACES only).
+    nodes: tuple[DeviceNode, ...] = ()
 
     @property
     def breaks(self) -> bool:
@@ -225,10 +285,13 @@ class SpecProblem:
 def problems(specs: Sequence[LoadedSpec], ours: Mapping[str, Sequence[str]]) -> list[SpecProblem]:
     """What stops our names from resolving to our specs, per file, in the order the files are read.
     ``ours``: each of our qualified names with the paths our spec has in ``specs`` (more than one where
-    the runtime reads our directory twice, under two names: the same file, which is no conflict)."""
+    the runtime reads our directory twice, under two names: the same file, which is no conflict). A name
+    whose spec of ours is not among ``specs`` has none here: that ours is missing is its problem."""
     resolved = resolve(specs)
     out: list[SpecProblem] = []
     for name, paths in ours.items():
+        if not any(spec.path in paths for spec in specs):
+            continue  # ours is not on disk (yet): another spec's effect on our name is told once it is
         our_path = paths[-1] if paths else ""
         refused = next((spec for spec in specs if spec.path in paths and spec.error), None)
         if refused is not None:
@@ -245,5 +308,6 @@ def problems(specs: Sequence[LoadedSpec], ours: Mapping[str, Sequence[str]]) -> 
                 trouble = Trouble.SHADOWED
             else:
                 continue  # a third file's device wins: that file is the one reported
-            out.append(SpecProblem(spec.path, trouble, name, our_path))
+            nodes = spec.nodes_of(name) if trouble is Trouble.REPLACES else ()
+            out.append(SpecProblem(spec.path, trouble, name, our_path, nodes=nodes))
     return out

@@ -4,14 +4,15 @@ Start-up is a list of named steps (``daemon.steps``: each logged at debug with i
 shutdown step that undoes it): the instance lock, where the daemon's record of itself is announced from
 then on (``reload.record``); the devices and the mode; the config applied from nothing; READY. A reload
 applies a re-read config over the running one. Both are a plan (every step that can fail), then a commit
-(watch, then read the state: ``_prepare``), then serving (each socket proves it answers before it
-registers) with the config swapped last (``_serve``; ``daemon.apply``). A successor (``daemon.handover``)
-reads the node before its predecessor lets go of it, and serves once it has. READY=1 goes out once every
-present device has been served, kubelet there or not; STATUS, the metrics file and the record follow
-every change from then on (``daemon.outputs``), and the container runtime is asked whether it applies our
-CDI names (``daemon.runtime``). The main loop sleeps until a signal's flag is set; the only timers are
-the watchdog ping, back-offs and coalescing delays. A reload is applied whole or not at all
-(``reload.decision``); ``reload.report`` says how each went.
+(watch, then the state read: the container runtime's verdict on our CDI names first, bounded, so that
+the first answers already carry it: ``cri.check``; ``_prepare``), then serving (each socket proves it
+answers before it registers) with the config swapped last (``_serve``; ``daemon.apply``). A successor
+(``daemon.handover``) reads the node before its predecessor lets go of it, and serves once it has. READY=1
+goes out once every present device has been served, kubelet there or not; STATUS, the metrics file and
+the record follow every change from then on (``daemon.outputs``). The main loop sleeps until a signal's
+flag is set; the only timers are the watchdog ping, back-offs and coalescing delays (the metrics file, the
+heap's trim, the runtime socket's directory and CDI's, a device offered again: ``cri.usable``). A reload
+is applied whole or not at all (``reload.decision``); ``reload.report`` says how each went.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class Daemon:
         ``reload.decision.accept`` took the new config."""
         assert self._mode is not None and self._devices is not None
         step = apply.plan(old, new, self._watch, self._devices)
-        await apply.commit(step, self._mode, self._devices, self._out.metrics)
+        await apply.commit(step, self._mode, self._devices, self._out.metrics, self._runtime.ask(new))
         return step
 
     async def _serve(self, step: apply.Plan) -> None:
@@ -201,7 +202,6 @@ class Daemon:
             self._out.say_ready(self.status_line())
             self._events.info("ready", "ready: %s", self.status_line())
         self._out.follow(self.config)
-        self._runtime.ask()
         if not first:
             self._reloads.applied(change)
 

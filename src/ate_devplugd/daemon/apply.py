@@ -8,8 +8,10 @@ filter for the new set of subsystems: before any look, so that no change after a
 filter the kernel refuses leaves the old one in place (``node.udev``).
 
 ``commit`` then makes the changes, none of which raises: the log level; the removed resources stop being
-served and the metrics hold the new set of resources; the state is read (CDI's directory, then a look at
-each device, which writes its CDI spec). The daemon then serves the added resources (each socket proves
+served and the metrics hold the new set of resources; the state is read (the container runtime's verdict
+on our CDI names, awaited for ``cri.check.FIRST_VERDICT`` at most, so that the first ListAndWatch answer
+and the first slice already carry it; CDI's directory; then a look at each device, which writes its CDI
+spec and decides whether it is usable). The daemon then serves the added resources (each socket proves
 it answers before it registers) and swaps its config last, with its record saying the new one
 (``Daemon._serve``), so the two never disagree.
 """
@@ -29,6 +31,7 @@ from ate_devplugd.node.watch import DeviceWatch
 from ate_devplugd.signals.metrics import Metrics
 
 if TYPE_CHECKING:
+    from ate_devplugd.cri.check import RuntimeCheck
     from ate_devplugd.daemon.modes import Modes
 
 
@@ -50,8 +53,11 @@ def plan(old: Config | None, new: Config, kubelet: KubeletWatch, devices: Device
     return Plan(old, new, diff(old or Config(devices=()), new))
 
 
-async def commit(plan: Plan, mode: Modes, devices: DeviceWatch, metrics: Metrics) -> None:
-    """The changes, in their one order (the config itself is the caller's to swap, last)."""
+async def commit(
+    plan: Plan, mode: Modes, devices: DeviceWatch, metrics: Metrics, runtime: RuntimeCheck | None = None
+) -> None:
+    """The changes, in their one order (the config itself is the caller's to swap, last). ``runtime``: the
+    container runtime's check, asked for the new config; its verdict is state, heard before the looks."""
     change = plan.change
     logging.getLogger().setLevel(plan.new.log_level.upper())
     await mode.stop(change.removed)
@@ -59,6 +65,8 @@ async def commit(plan: Plan, mode: Modes, devices: DeviceWatch, metrics: Metrics
         metrics.remove_resource(name)
     for name in change.added:
         metrics.add_resource(name)
+    if runtime is not None:
+        await runtime.first_verdict()
     devices.read(plan.new)
 
 

@@ -40,13 +40,15 @@ class RuntimeLink:
         self._check: RuntimeCheck | None = None
         self._usable: Usability | None = None
 
-    def ask(self) -> None:
-        """Ask whether the runtime applies our CDI names (at start, on reload, when kubelet starts; the check
-        follows the runtime's own restarts by itself). It never delays anything."""
-        _devices, cfg = self._state()
+    def ask(self, config: Config | None = None) -> RuntimeCheck | None:
+        """Ask whether the runtime applies our CDI names under ``config`` (the one running by default): at
+        start and on reload before the looks, when kubelet starts; the check follows the runtime's own
+        restarts by itself. The check, whose first verdict a start awaits (bounded); None while no config
+        uses CDI."""
+        cfg = config or self._state()[1]
         if self._check is None:
             if not cfg.checks_runtime:
-                return
+                return None
             from ate_devplugd.cri.check import RuntimeCheck  # noqa: PLC0415 - the CRI modules only once CDI is used
             from ate_devplugd.cri.usable import Usability  # noqa: PLC0415
 
@@ -59,6 +61,7 @@ class RuntimeLink:
             enabled=cfg.checks_runtime,
             devices=cfg.devices,
         )
+        return self._check
 
     def decide(self) -> None:
         """Decide again whether each device is usable (after a look at one, or a change of its withholding)."""

@@ -12,58 +12,50 @@ The spec is written before the resource is first served (the registry looks at t
 writer runs, all before the session can register), atomically (a hidden temp file renamed into
 place), and again when the node's major:minor or the table changes. It heals itself: ``cdi_dir`` is
 followed with inotify (on the loop, ``DirWatcher``), and a spec of ours removed, changed or made invalid
-on disk (or its whole directory removed) is written back ``SETTLE_DELAY`` after the first event of a
-burst, as is one found so at any look (every reload looks); each such rewrite is one warning
-(``cdi-spec-restored``, saying what had happened to it) and one count (``on_restored``). ``state`` says
-cheaply whether a resource's spec is on disk and ours. It stays while the daemon is stopped or
-restarting: kubelet replays the checkpointed CDI names when a container restarts, and a
-runtime refuses a name whose spec is missing ("unresolvable CDI devices"). It is removed only when
-its resource leaves the config or stops using CDI.
+on disk (or its whole directory removed) is written back at once, in the callback of the event that
+told, as is one found so at any look (every reload looks); each such rewrite is one warning
+(``cdi-spec-restored``, saying what had happened to it) and one count (``on_restored``). It stays while
+the daemon is stopped or restarting: kubelet replays the checkpointed CDI names when a container
+restarts, and a runtime refuses a name whose spec is missing ("unresolvable CDI devices"). It is
+removed only when its resource leaves the config or stops using CDI.
 
-A spec that cannot be written (a read-only or missing directory that cannot be made) is logged once;
-the resource is then granted without CDI until a reload, never failing registration or Allocate.
+A spec that cannot be written (a full filesystem, a file at ``cdi_dir``, a read-only directory) is
+logged once per cause (``cdi-failed``) and tried again on every event in ``cdi_dir`` and on a back-off
+(``RETRY_FIRST`` doubling to ``RETRY_CAP``): ``failure`` says why meanwhile, Allocate names no CDI device,
+and ``cri.usable`` withholds the device wherever its VMM needs the spec (``spec-missing``). ``cdi_dir``
+renamed away (``mv``, or swapped for another by two renames) is ``moved``: a runtime's CDI cache follows
+the directory it watched to where it went (``cri.usable`` withholds until the runtime restarts).
+``state``, ``failure`` and ``moved`` are cheap to ask.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import posixpath
 from collections.abc import Callable
-from typing import Any
+from typing import NamedTuple
 
 from ate_devplugd.base import atomicfile
+from ate_devplugd.base.backoff import Backoff
 from ate_devplugd.base.inotify import DirEvent, DirWatcher, watch_dir
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.config.device import DeviceConfig, qualified_name
+from ate_devplugd.node.cdispec import SPEC_MODE, SpecState, on_disk, spec, spec_path
 from ate_devplugd.node.devices import Resource
 
 log = logging.getLogger(__name__)
 
-#: The lowest version carrying every field written: deviceNodes with fileMode, uid and gid are in the
-#: spec from 0.3.0 on (container-device-interface specs-go v0.3.0). podman 4.3.1 reads 0.1.0 to 0.5.0,
-#: and libraries from v0.5.4 on refuse anything below 0.3.0.
-CDI_VERSION = "0.3.0"
-SPEC_MODE = 0o644
-#: How long after the first event in ``cdi_dir`` our specs are looked at again (a tool removing or
-#: writing several files is one look).
-SETTLE_DELAY = 0.05
-#: Journal event: a spec of ours found removed, changed or invalid on disk, and written back.
+#: A spec that cannot be written is tried again after ``RETRY_FIRST`` seconds, the delays doubling up to
+#: ``RETRY_CAP`` while it fails (and at once on each event in ``cdi_dir``): no event says when a full
+#: filesystem has room again.
+RETRY_FIRST = 0.1
+RETRY_CAP = 2.0
+#: Journal events: a spec of ours found removed, changed or invalid on disk, and written back; ``cdi_dir``
+#: replaced (renamed away).
 EVENT_RESTORED = "cdi-spec-restored"
-
-
-class SpecState(enum.Enum):
-    """What is on disk at a resource's spec path, against what the daemon wrote there."""
-
-    OURS = "ours"
-    REMOVED = "removed"
-    CHANGED = "changed"
-    INVALID = "invalid"
-    #: No spec is kept for the resource: it does not use CDI, its device was never seen, or the spec
-    #: could not be written (it is then granted without CDI until a reload).
-    NOT_WRITTEN = "not written"
+EVENT_REPLACED = "cdi-dir-replaced"
 
 
 #: What a rewrite says had happened to the spec.
@@ -74,63 +66,62 @@ _HAPPENED = {
 }
 
 
-def spec_path(cdi_dir: str, dev: DeviceConfig) -> str:
-    """``<cdi_dir>/<vendor>-<class>.json``, as CDI's own tools name a vendor's spec for a class."""
-    return posixpath.join(cdi_dir, dev.resource.replace("/", "-") + ".json")
+class DirMove(NamedTuple):
+    """``cdi_dir`` renamed away while followed: when (the loop's time), in words, and which directory went."""
 
-
-def spec(dev: DeviceConfig, major: int, minor: int) -> dict[str, Any]:
-    """The spec for ``dev`` whose host node is char ``major:minor``: every field written, none left to guess.
-
-    Type and numbers are given so no runtime needs to stat the host node; permissions so the cgroup rule
-    is exactly the configured one (CDI's default is ``rwm``); fileMode so the mode does not depend on the
-    runtime (runc's default is 0666, CDI >= 1.1.0 copies the host's). uid/gid are written only when
-    configured: left out, a runtime gives the node to the container's user when it is not root.
-    """
-    node: dict[str, Any] = {
-        "path": dev.path,
-        "type": "c",
-        "major": major,
-        "minor": minor,
-        "permissions": dev.permissions,
-        "fileMode": dev.node_mode,
-    }
-    if dev.container_uid is not None:
-        node["uid"] = dev.container_uid
-    if dev.container_gid is not None:
-        node["gid"] = dev.container_gid
-    return {
-        "cdiVersion": CDI_VERSION,
-        "kind": dev.resource,
-        "devices": [{"name": dev.cdi_name, "containerEdits": {"deviceNodes": [node]}}],
-    }
+    at: float
+    detail: str
+    identity: tuple[int, int] | None
 
 
 class CdiSpecs:
     """Keeps each CDI-enabled resource's spec true to its node and its table, and Allocate's name with it;
-    puts a spec back that someone else removed, changed or broke (see the module's docstring)."""
+    puts a spec back that someone else removed, changed or broke, and keeps trying one that cannot be
+    written (see the module's docstring). ``on_change`` hears a resource whose spec was written back, could
+    not be, or whose directory was replaced, outside a look (a look's owner hears it anyway)."""
 
-    def __init__(self, cdi_dir: str, on_restored: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        cdi_dir: str,
+        on_restored: Callable[[str], None] | None = None,
+        on_change: Callable[[Resource], None] | None = None,
+    ) -> None:
         self.cdi_dir = cdi_dir
         self._on_restored = on_restored
-        #: The files written, by resource name: the path and its content; and the resources themselves.
+        self._on_change = on_change
+        #: The files to keep on disk, by resource name: the path and its content; and the resources themselves.
         self._written: dict[str, tuple[str, bytes]] = {}
         self._resources: dict[str, Resource] = {}
-        #: Resources whose spec could not be written: granted without CDI until a reload.
-        self._failed: set[str] = set()
+        #: Resources whose spec cannot be written now, and why: tried again on events and a back-off; and
+        #: what had happened to the one written before, where a heal failed (said once it is written back).
+        self._failed: dict[str, str] = {}
+        self._harmed: dict[str, SpecState] = {}
+        self._retry: asyncio.TimerHandle | None = None
+        self._backoff = Backoff(RETRY_FIRST, RETRY_CAP)
         self._watcher: DirWatcher | None = None
-        self._settle: asyncio.TimerHandle | None = None
+        #: ``cdi_dir``'s identity (device, inode) when last written in, and its last move away.
+        self._identity: tuple[int, int] | None = None
+        self._moved: DirMove | None = None
 
     def state(self, name: str) -> SpecState:
         """Whether resource ``name``'s spec is on disk and ours now (one read of a small file)."""
         written = self._written.get(name)
-        return SpecState.NOT_WRITTEN if written is None else on_disk(*written)
+        return SpecState.NOT_WRITTEN if written is None or name in self._failed else on_disk(*written)
+
+    def failure(self, name: str) -> str:
+        """Why resource ``name``'s spec cannot be written now ("" when it can)."""
+        return self._failed.get(name, "")
+
+    @property
+    def moved(self) -> DirMove | None:
+        """``cdi_dir``'s last move away while followed (None when it is the directory it was, or none moved)."""
+        return self._moved
 
     def sync(self, resource: Resource) -> None:
         """After each look at a device: write its spec if it needs CDI and the spec on disk is not current."""
         dev = resource.config
         devnum = resource.presence.devnum
-        if not dev.cdi or resource.name in self._failed:
+        if not dev.cdi:
             resource.cdi_device = None
             return
         if devnum is None:
@@ -144,8 +135,10 @@ class CdiSpecs:
         if found is SpecState.OURS:
             self._keep(resource, path, data)
             return
-        healed = found if self._written.get(resource.name) == (path, data) else None
-        if self._write(resource, path, data, healed) and healed is None:
+        failed = resource.name in self._failed
+        healed: SpecState | None = found if self._written.get(resource.name) == (path, data) else None
+        healed = self._harmed.get(resource.name) if failed else healed
+        if self._write(resource, path, data, healed) and healed is None and not failed:
             resource.events.info(
                 "cdi-spec",
                 "wrote the CDI spec %s: %s is %s %d:%d, mode %04o in the container",
@@ -157,16 +150,20 @@ class CdiSpecs:
             )
 
     def apply(self, cdi_dir: str, devices: tuple[DeviceConfig, ...]) -> None:
-        """A reload: remove the specs of resources gone or no longer using CDI; retry the failed ones;
-        follow ``cdi_dir`` while a resource uses CDI (before any look writes a spec)."""
+        """A reload: remove the specs of resources gone or no longer using CDI; follow ``cdi_dir`` while a
+        resource uses CDI (before any look writes a spec)."""
         keep = {dev.resource for dev in devices if dev.cdi and cdi_dir == self.cdi_dir}
         for name, (path, _) in list(self._written.items()):
             if name not in keep:
-                self._remove(path)
+                if name not in self._failed:
+                    self._remove(path)
                 del self._written[name]
                 self._resources.pop(name, None)
+                self._failed.pop(name, None)
+                self._harmed.pop(name, None)
+        if cdi_dir != self.cdi_dir:
+            self._identity = self._moved = None
         self.cdi_dir = cdi_dir
-        self._failed.clear()
         self._follow(any(dev.cdi for dev in devices))
 
     def close(self) -> None:
@@ -176,30 +173,47 @@ class CdiSpecs:
     def _keep(self, resource: Resource, path: str, data: bytes) -> None:
         self._written[resource.name] = (path, data)
         self._resources[resource.name] = resource
+        self._failed.pop(resource.name, None)
+        self._harmed.pop(resource.name, None)
         resource.cdi_device = qualified_name(resource.config)
+        self._identity = _identity(self.cdi_dir)
+        if self._moved is not None and self._identity == self._moved.identity:
+            self._moved = None  # moved back: the directory the runtime follows is ours again
 
     def _write(self, resource: Resource, path: str, data: bytes, healed: SpecState | None) -> bool:
         """Write the spec (its directory made again where it is gone); ``healed``: what had happened to
-        the one written before, said and counted. False when it cannot be written."""
+        the one written before, said and counted. False when it cannot be written: it is kept to write, and
+        tried again on the directory's events and a back-off."""
         directory_gone = not os.path.isdir(self.cdi_dir)
         try:
             os.makedirs(self.cdi_dir, mode=0o755, exist_ok=True)
             atomicfile.replace_file(path, data, SPEC_MODE)
         except OSError as exc:
-            self._failed.add(resource.name)
-            self._written.pop(resource.name, None)
-            self._resources.pop(resource.name, None)
+            cause = self._cause(path, exc)
+            self._written[resource.name] = (path, data)
+            self._resources[resource.name] = resource
             resource.cdi_device = None
-            resource.events.warning(
-                "cdi-failed",
-                "cannot write the CDI spec %s: %s; %s is granted without CDI (the node with the host's "
-                "owner and mode) until a reload",
-                path,
-                exc.strerror or exc,
-                resource.name,
-            )
+            if self._failed.get(resource.name) != cause:
+                resource.events.warning(
+                    "cdi-failed",
+                    "%s; %s is not offered where its VMM needs the spec (spec-missing), and never granted "
+                    "with a spec that is not there; tried again on each change in %s and after %g s, doubling "
+                    "to %g s",
+                    cause,
+                    resource.name,
+                    self.cdi_dir,
+                    RETRY_FIRST,
+                    RETRY_CAP,
+                )
+            self._failed[resource.name] = cause
+            if healed is not None:
+                self._harmed[resource.name] = healed
+            self._retry_later()
             return False
+        failed = self._failed.get(resource.name)
         self._keep(resource, path, data)
+        if failed and healed is None:
+            resource.events.info("cdi-spec", "wrote the CDI spec %s (it could not be written before: %s)", path, failed)
         if healed is not None:
             if self._on_restored is not None:
                 self._on_restored(resource.name)
@@ -212,6 +226,21 @@ class CdiSpecs:
                 f" with its directory {self.cdi_dir}, made again" if directory_gone else "",
             )
         return True
+
+    def _cause(self, path: str, exc: OSError) -> str:
+        if os.path.lexists(self.cdi_dir) and not os.path.isdir(self.cdi_dir):
+            return f"cannot write the CDI spec {path}: {self.cdi_dir} is not a directory"
+        return f"cannot write the CDI spec {path}: {exc.strerror or exc}"
+
+    def _retry_later(self) -> None:
+        if self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(self._backoff.next(), self._retried)
+
+    def _retried(self) -> None:
+        self._retry = None
+        self._heal()
+        if not self._failed:
+            self._backoff.reset()
 
     @staticmethod
     def _remove(path: str) -> None:
@@ -230,9 +259,9 @@ class CdiSpecs:
         watcher = self._watcher
         if watcher is not None and wanted and watcher.path == posixpath.normpath(self.cdi_dir):
             return
-        if self._settle is not None:
-            self._settle.cancel()
-            self._settle = None
+        if self._retry is not None and not wanted:
+            self._retry.cancel()
+            self._retry = None
         if watcher is not None:
             watcher.close()
             self._watcher = None
@@ -250,38 +279,36 @@ class CdiSpecs:
         )
 
     def _on_events(self, events: list[DirEvent]) -> None:
-        names = {posixpath.basename(path) for path, _ in self._written.values()}
-        if not any(ev.name in names or not ev.name for ev in events):
+        if any(ev.kind == "dir-gone" and ev.moved for ev in events) and self._written:
+            # Renamed away: a runtime's CDI cache that watched it follows it there (cri.usable).
+            what = f"{self.cdi_dir} was replaced (renamed away)"
+            self._moved = DirMove(asyncio.get_running_loop().time(), what, self._identity)
+            EventLog(log).warning(EVENT_REPLACED, "cdi: %s; writing our specs into a new %s", what, self.cdi_dir)
+            self._heal(changed=set(self._resources))
             return
-        if self._settle is None:
-            self._settle = asyncio.get_running_loop().call_later(SETTLE_DELAY, self._heal)
+        names = {posixpath.basename(path) for path, _ in self._written.values()}
+        if self._failed or any(ev.name in names or not ev.name for ev in events):
+            self._heal()
 
-    def _heal(self) -> None:
-        """Every spec of ours not on disk as written: written back."""
-        self._settle = None
+    def _heal(self, changed: set[str] | None = None) -> None:
+        """Every spec of ours not on disk as written: written back at once (by rename, as every write).
+        ``on_change`` then hears each resource whose spec was not there, and those in ``changed``."""
+        changed = set(changed or ())
         for name, (path, data) in list(self._written.items()):
-            found = on_disk(path, data)
+            found = self._harmed.get(name, SpecState.NOT_WRITTEN) if name in self._failed else on_disk(path, data)
             resource = self._resources.get(name)
             if found is not SpecState.OURS and resource is not None:
-                self._write(resource, path, data, found)
+                self._write(resource, path, data, None if found is SpecState.NOT_WRITTEN else found)
+                changed.add(name)
+        if self._on_change is not None:
+            for name in changed:
+                if name in self._resources:
+                    self._on_change(self._resources[name])
 
 
-def on_disk(path: str, data: bytes) -> SpecState:
-    """What ``path`` holds against ``data`` (what was written there): ours, removed, changed or invalid."""
+def _identity(path: str) -> tuple[int, int] | None:
     try:
-        with open(path, "rb") as fh:
-            found = fh.read(max(len(data) + 1, 1 << 20))
-    except (FileNotFoundError, NotADirectoryError):
-        return SpecState.REMOVED
+        st = os.stat(path)
     except OSError:
-        return SpecState.INVALID
-    if found == data:
-        return SpecState.OURS
-    import json  # noqa: PLC0415 - only once a device uses CDI
-
-    try:
-        loaded = json.loads(found)
-    except (ValueError, UnicodeDecodeError):
-        return SpecState.INVALID
-    ok = isinstance(loaded, dict) and isinstance(loaded.get("kind"), str) and isinstance(loaded.get("devices"), list)
-    return SpecState.CHANGED if ok else SpecState.INVALID
+        return None
+    return st.st_dev, st.st_ino

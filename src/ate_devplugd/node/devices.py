@@ -52,16 +52,24 @@ class Withheld(enum.Enum):
     (or, while a node changes mode, would be sent down the path that is going). The value is the
     ``reason`` label of the metrics and the word in STATUS."""
 
-    #: The runtime kubelet uses drops our CDI names (CDI off, our directory not read, too old for CDI).
+    #: The runtime kubelet uses drops our CDI names (CDI off, too old for CDI).
     CDI_NOT_APPLIED = "cdi-not-applied"
+    #: The runtime applies CDI names but does not read our spec directory: no container is created.
+    DIR_NOT_READ = "dir-not-read"
+    #: No runtime has answered since the start, or it is one whose handling of CDI is not known: nothing
+    #: says a device that needs its CDI name applied would get it.
+    CDI_UNKNOWN = "cdi-unknown"
     #: Another spec in the same directory defines our name: the CDI library refuses to resolve it.
     SPEC_CONFLICT = "spec-conflict"
-    #: A spec in a later directory defines our name: it, not ours, is what a container gets.
+    #: A spec in a later directory defines our name with a node the VMM cannot open (or another device).
     SPEC_REPLACED = "spec-replaced"
-    #: Our spec is not on disk (and could not be written back).
+    #: Our spec is not on disk, or cannot be written (the cause is in the detail).
     SPEC_MISSING = "spec-missing"
     #: Our spec on disk is one the CDI library refuses.
     SPEC_INVALID = "spec-invalid"
+    #: ``cdi_dir`` was replaced (renamed away) after the runtime started: its CDI cache follows the old
+    #: directory and never reads the new one until the runtime is restarted.
+    SPEC_DIR_REPLACED = "spec-dir-replaced"
     #: The node is moving to the other mode: new pods must take the path that stays.
     MODE_SWITCH = "mode-switch"
 

@@ -4,7 +4,8 @@ A udev event (netlink, on the loop) is only a hint: the registry looks at every 
 (``DeviceRegistry.reconcile``). After each look the device's CDI spec is brought up to date first
 (``CdiSpecs.sync``), then the owner hears of it. ``watch`` comes before ``read``, at start and on
 reload, so that no change after a look goes unseen; ``read`` follows ``cdi_dir`` (inotify) before its
-looks write any spec, and a spec of ours removed, changed or made invalid there is written back.
+looks write any spec, and a spec of ours removed, changed or made invalid there is written back (the
+owner hears of that, of a spec that cannot be written, and of ``cdi_dir`` replaced, as of a look).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable
 
 from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
-from ate_devplugd.node.cdi import CdiSpecs, SpecState
+from ate_devplugd.node.cdi import CdiSpecs, DirMove
+from ate_devplugd.node.cdispec import SpecState
 from ate_devplugd.node.devices import DeviceRegistry, LookHook, Resource
 from ate_devplugd.node.kernel import KernelView, UdevKernelView
 from ate_devplugd.node.udev import MonitorLike, UdevWatcher, UEvent, default_monitor
@@ -47,7 +49,7 @@ class DeviceWatch:
         self._factory = monitor_factory
         self._on_look = on_look
         self._udev: UdevWatcher | None = None
-        self._cdi = CdiSpecs(config.cdi_dir, on_spec_restored)
+        self._cdi = CdiSpecs(config.cdi_dir, on_spec_restored, self._spec_changed)
         self.registry = DeviceRegistry(config.dev_root, kernel, self._looked)
 
     def watch(self, devices: tuple[DeviceConfig, ...]) -> None:
@@ -67,6 +69,15 @@ class DeviceWatch:
         """Whether resource ``name``'s CDI spec is on disk and ours now (``SpecState.OURS``), cheaply."""
         return self._cdi.state(name)
 
+    def spec_failure(self, name: str) -> str:
+        """Why resource ``name``'s CDI spec cannot be written now ("" when it can)."""
+        return self._cdi.failure(name)
+
+    @property
+    def spec_dir_moved(self) -> DirMove | None:
+        """``cdi_dir``'s last move away while followed, None while it is the directory it was."""
+        return self._cdi.moved
+
     def close(self) -> None:
         self._cdi.close()
         if self._udev is not None:
@@ -75,6 +86,11 @@ class DeviceWatch:
     def _looked(self, resource: Resource, event: str | None) -> None:
         self._cdi.sync(resource)
         self._on_look(resource, event)
+
+    def _spec_changed(self, resource: Resource) -> None:
+        """A spec written back, failing, or its directory replaced, outside a look: the owner hears it as
+        it hears a look (what is usable follows it)."""
+        self._on_look(resource, None)
 
     def _on_uevents(self, uevents: list[UEvent]) -> None:
         for ue in uevents:

@@ -45,8 +45,11 @@ from ate_devplugd.cri.facts import CdiVerdict, RuntimeReport
 from ate_devplugd.cri.rules import SpecProblem
 from ate_devplugd.cri.usable import decide
 from ate_devplugd.node import devices
+from ate_devplugd.node.cdispec import spec_path
 from ate_devplugd.node.kernel import KernelView
 
+#: The setting under which a device whose VMM is not root is offered only where that VMM can open it.
+SAFE = 'cdi = "required"'
 #: How long a call to a socket, kubelet or the API server may take.
 TIMEOUT = 5.0
 MOUNTINFO = "/proc/self/mountinfo"
@@ -96,13 +99,20 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
         findings += device_findings(cfg, dev, node.kernel, report, problems)
     findings += await doctor_daemon.findings(cfg, found, node.read_metrics, TIMEOUT)
     findings += await doctor_kubelet.findings(cfg, node.find_kubelet or doctor_kubelet.find_kubelet, node.mountinfo)
-    findings += doctor_runtime.findings(cfg, report, endpoint)
+    findings += doctor_runtime.findings(cfg, report, endpoint, withheld(found))
     findings += await doctor_switch.findings(found, TIMEOUT)
     if cfg.mode == "dra" and cfg.dra is not None:
         from ate_devplugd.commands.doctor import dra as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
 
         findings += await dra_doctor.findings(cfg, cfg.dra, TIMEOUT)
     return findings
+
+
+def withheld(found: instance.Found) -> dict[str, str]:
+    """What the daemon withholds, by resource, as its own record says (none without a daemon)."""
+    if found.running is None:
+        return {}
+    return {served.resource: served.withheld for served in found.running.record.serving if served.withheld}
 
 
 def config_findings(found: instance.Found, config_path: str | os.PathLike[str] | None) -> list[Finding]:
@@ -223,11 +233,14 @@ def access_finding(  # noqa: PLR0911 - one return per verdict
     if not dev.cdi:
         if open_to_all:
             return ok(check, f"host {host}: any user in a container opens it")
-        return warn(
-            check, f"host {host}: {eacces}; no CDI for it", "set cdi = true for it (README: Non-root sandboxes)"
-        )
+        return warn(check, f"host {host}: {eacces}; no CDI for it", f"set {SAFE} for it (README: Non-root sandboxes)")
     verdict = report.verdict
-    withheld = decide(dev, cfg.mode, report, problems)
+    failure = doctor_runtime.spec_failure(cfg, dev, problems)
+    devnum = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    on_disk = os.path.isfile(spec_path(cfg.cdi_dir, dev))
+    withheld = decide(
+        dev, cfg.mode, report, problems, written=not failure, on_disk=on_disk, failure=failure, devnum=devnum
+    )
     held = f"; the daemon withholds it ({withheld.reason.value})" if withheld is not None else ""
     if verdict is CdiVerdict.APPLIED and withheld is not None:
         why = f"host {host}; containers asking for it do not get {_spec_access(dev)} through CDI"
@@ -241,7 +254,7 @@ def access_finding(  # noqa: PLR0911 - one return per verdict
         return warn(check, f"{why} (unresolvable CDI devices){held}", "fix the runtime line below")
     if verdict is CdiVerdict.UNKNOWN:
         why = "runtime not found" if not report.name else "see runtime"
-        return warn(check, f"host {host}; cannot tell what containers get ({why})", "see the runtime line below")
+        return warn(check, f"host {host}; cannot tell what containers get ({why}){held}", "see the runtime line below")
     if cfg.mode == "dra":
         return warn(
             check,
@@ -253,11 +266,10 @@ def access_finding(  # noqa: PLR0911 - one return per verdict
     if open_to_all:  # the table asks for CDI (cdi = "required", or a container owner or mode of its own)
         why = f"host {host}: the runtime ignores the CDI spec the table asks for (any user opens the host's node)"
         return warn(check, f"{why}{held}", "fix the runtime line below")
-    return warn(
-        check,
-        f"host {host}: {eacces}: the runtime does not apply its CDI spec (see runtime){held}",
-        "fix the runtime line below",
+    remedy = "fix the runtime line below" + (
+        "" if withheld else f", and set {SAFE} so that it is not offered meanwhile"
     )
+    return warn(check, f"host {host}: {eacces}: the runtime does not apply its CDI spec (see runtime){held}", remedy)
 
 
 def _spec_access(dev: DeviceConfig) -> str:
