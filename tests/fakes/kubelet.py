@@ -9,16 +9,25 @@
 - Register: checks the version ("v1beta1"), the extended resource name and that the endpoint is a bare
   file name; dials the endpoint back and calls GetDevicePluginOptions *before* replying; only then
   opens ListAndWatch, recording every message;
-- a second registration for a resource becomes the *current* client (``endpoints``) while the older one
-  keeps running; one that arrives while the older stream is open is recorded as ``double-register``.
-  When any client's stream ends, the current client is disconnected, as kubelet's ``runClient`` does
-  (A7b): recorded as ``disconnected``, its connection closed, every unit unhealthy (``allocatable`` 0)
-  until the plugin registers again;
+- a second registration for a resource becomes the *current* client (``endpoints``); one that arrives
+  while the older stream is open is recorded as ``double-register``. What happens to the older client is
+  ``swap``: "1.36" (the default; kubelet 1.36's handler, whose ``registerClient`` only swaps the map entry)
+  keeps it running, its stream open, on a client kubelet no longer uses; "1.32" (what kubelet 1.32's
+  manager was seen to do) ends its stream once the new client's Register has returned. When any client's
+  stream ends, the current client is disconnected, as kubelet's ``runClient`` does (A7b): recorded as
+  ``disconnected``, its connection closed, every unit unhealthy (``allocatable`` 0) until a plugin
+  registers the name again. So under "1.36" a client that took the name and then went leaves it at 0 with
+  no signal on the older stream; under "1.32" the older stream's end is the signal;
 - ``restart()`` is a kubelet killed and started again: the old ``kubelet.sock`` stays behind, dead, until
   the new kubelet's wipe removes it; ``graceful=True`` removes it at the stop instead;
 - the pod-resources API beside the directory (``<dir>/../pod-resources/kubelet.sock``, as kubelet serves it
   under its root directory): ``GetAllocatableResources`` lists the current clients' Healthy device IDs,
-  as kubelet's ``GetAllocatableDevices`` does (none for a resource once disconnected);
+  as kubelet's ``GetAllocatableDevices`` does (none for a resource once disconnected, nor for one whose
+  units are all Unhealthy); each question is recorded (``pod-resources``). Not modelled: kubelet also
+  takes a swapped-out client's later device lists into the name's device set;
+- the device manager's checkpoint (``kubelet_internal_checkpoint``), written as kubelet writes it (a dot
+  temp file renamed into place) each time it takes in a current client's device list: its
+  ``RegisteredDevices`` are each resource's Healthy IDs (a disconnect empties them without a write);
 - ``lean=True`` (the benchmark) keeps each ListAndWatch message as bytes and only counts the units,
   so recording costs next to nothing.
 
@@ -143,6 +152,7 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         self, request: pr_pb2.AllocatableResourcesRequest, context: grpc.aio.ServicerContext
     ) -> pr_pb2.AllocatableResourcesResponse:
         # one entry per device, as kubelet answers
+        self._kubelet._record(Event("pod-resources"))
         response = pr_pb2.AllocatableResourcesResponse()
         for resource, endpoint in self._kubelet.endpoints.items():
             if endpoint.streaming and endpoint.latest is not None:
@@ -165,7 +175,11 @@ class FakeKubelet:
         wipe_order: WipeOrder = "random",
         seed: int | str | None = None,
         jitter: float = 0.002,
+        swap: str = "1.36",
     ) -> None:
+        if swap not in ("1.36", "1.32"):
+            raise ValueError(f"swap {swap!r}")
+        self.swap = swap
         self.dir = Path(directory)
         self.wipe_at_start = wipe
         self.wipe_order = wipe_order
@@ -178,6 +192,9 @@ class FakeKubelet:
         #: has not closed are in ``_older``.
         self.endpoints: dict[str, Endpoint] = {}
         self._older: list[Endpoint] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: The device manager's healthy IDs per resource, as its checkpoint records them.
+        self.registered_devices: dict[str, list[str]] = {}
         self._stopping = False
         self.register_delay = 0.0
         self.reject_register: str | None = None
@@ -238,6 +255,8 @@ class FakeKubelet:
     async def start(self) -> None:
         self._incarnation += 1
         self._stopping = False
+        # kubelet's readCheckpoint: every recorded resource starts with no healthy unit
+        self.registered_devices = {name: [] for name in self.registered_devices}
         if self.wipe_at_start:
             await self.wipe()
         else:
@@ -355,7 +374,8 @@ class FakeKubelet:
         old = self.endpoints.get(name)
         endpoint = Endpoint(name, socket_path, channel, stub, options)
         self.endpoints[name] = endpoint
-        if old is not None and old.streaming:
+        swapped = old is not None and old.streaming
+        if old is not None and swapped:
             # kubelet leaves the older client running; when its stream ends, the new one goes (A7b)
             self._record(Event("double-register", name, request.endpoint))
             self._older.append(old)
@@ -363,7 +383,12 @@ class FakeKubelet:
             await self._drop(old)
         self._record(Event("register", name, request.endpoint, t=received))
         # kubelet starts ListAndWatch only after Register has returned.
-        endpoint.stream_task = asyncio.get_running_loop().create_task(self._list_and_watch(endpoint))
+        loop = asyncio.get_running_loop()
+        endpoint.stream_task = loop.create_task(self._list_and_watch(endpoint))
+        if old is not None and swapped and self.swap == "1.32":
+            task = loop.create_task(self.cut(old))  # 1.32: the older client's stream ends
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return api_pb2.Empty()
 
     async def _list_and_watch(self, endpoint: Endpoint) -> None:
@@ -399,6 +424,7 @@ class FakeKubelet:
         current = self.endpoints.pop(ended.resource, None)
         if current is None or self._stopping:
             return
+        self.registered_devices[ended.resource] = []  # PluginDisconnected: no write
         older = current is not ended
         self._record(Event("disconnected", ended.resource, error="an older client's stream ended" if older else ""))
         if older:
@@ -428,8 +454,23 @@ class FakeKubelet:
             return Event("list", endpoint.resource, healthy=healthy, total=healthy + response.count(UNHEALTHY_FIELD))
         endpoint.latest = response
         ids = [d.ID for d in response.devices]
-        healthy = sum(1 for d in response.devices if d.health == "Healthy")
-        return Event("list", endpoint.resource, ids=ids, healthy=healthy, total=len(ids))
+        healthy = [d.ID for d in response.devices if d.health == "Healthy"]
+        if self.endpoints.get(endpoint.resource) is endpoint:
+            self.registered_devices[endpoint.resource] = healthy
+            self._write_checkpoint()
+        return Event("list", endpoint.resource, ids=ids, healthy=len(healthy), total=len(ids))
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.dir / CHECKPOINT
+
+    def _write_checkpoint(self) -> None:
+        """kubelet's ``writeCheckpoint``: a temp file renamed into place (its pods' entries not modelled)."""
+        data = {"Data": {"PodDeviceEntries": None, "RegisteredDevices": self.registered_devices}, "Checksum": 0}
+        staging = self.dir / f".{CHECKPOINT}.{os.getpid()}"
+        with contextlib.suppress(OSError):  # a directory removed under a test: kubelet logs and goes on
+            staging.write_text(json.dumps(data))
+            os.replace(staging, self.checkpoint_path)
 
     def stub(self, resource: str) -> api_pb2_grpc.DevicePluginStub:
         return self.endpoints[resource].stub

@@ -213,10 +213,10 @@ class TestReload:
 
 class TestIdle:
     async def test_no_wakeups_when_idle(self, tmp_path: Path, plugin_dir: Path, dev_root: Path) -> None:
-        """Registered and idle, the event loop has no timer: over a 3-second strace of the main thread it
-        makes no system call, and any epoll_wait it does make (a uevent from elsewhere on the machine
-        can wake it) waits without a timeout. Metrics are on: once the file shows the registration,
-        nothing more is written and no write is pending."""
+        """Registered (kubelet's word taken) and idle, the event loop has no timer: over a 3-second strace of
+        the main thread it makes no system call, and any epoll_wait it does make (a uevent from elsewhere on
+        the machine can wake it) waits without a timeout. Metrics are on: once the file shows the
+        registration, nothing more is written and no write is pending."""
         if shutil.which("strace") is None:
             pytest.skip("strace is not installed")
         kubelet = FakeKubelet(plugin_dir)
@@ -229,6 +229,7 @@ class TestIdle:
                 await kubelet.next_event("list")
                 await wait_for_path(plugin_dir / "ate.dev-kvm.sock")
                 await wait_for_content(metrics, 'ate_devplugd_listandwatch_streams{resource="ate.dev/kvm"} 1\n')
+                await kubelet.next_event("pod-resources")  # the daemon has asked kubelet what it offers
                 mtime = metrics.stat().st_mtime_ns
                 out = await asyncio.to_thread(
                     subprocess.run,

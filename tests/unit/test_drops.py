@@ -45,3 +45,13 @@ def test_a_register_with_no_stream_is_a_drop_and_a_silent_kubelet_is_looked_at_a
     assert drops.left(STREAM_GRACE) == 2 * STREAM_GRACE
     drops.stopped()
     assert drops.left(100.0) is None and drops.streams == 0
+
+
+def test_a_steady_hold_starts_again_at_the_grace() -> None:
+    """kubelet held the registration for STEADY (by its word): the next drop waits STREAM_GRACE again."""
+    drops = Drops()
+    for _ in range(3):
+        drops.healed()
+    assert drops.delay == 8 * STREAM_GRACE
+    drops.steady()
+    assert drops.delay == STREAM_GRACE and drops.heals == 3

@@ -8,6 +8,7 @@ import os
 import socket
 from pathlib import Path
 
+from ate_devplugd.base.inotify import DirEvent
 from ate_devplugd.kubelet.watch import HELD, KubeletWatch, SocketLoss
 
 
@@ -101,6 +102,55 @@ class TestKubelet:
             (plugin_dir / "kubelet.sock").unlink()
             await heard_b.wait(2)
             assert heard_a.calls == 2
+        finally:
+            watch.close()
+
+
+class TestChanges:
+    async def test_what_may_change_what_kubelet_offers(self, plugin_dir: Path) -> None:
+        """``on_changes`` hears another plugin's socket come and go, kubelet's checkpoint written and a new
+        kubelet.sock; not our own socket, dot-named staging or temp files, nor kubelet.sock going."""
+        watch = KubeletWatch(str(plugin_dir))
+        watch.start()
+        watch.subscribe("ours.sock", lambda: None)
+        seen: list[tuple[str, str]] = []
+        heard = Heard()
+
+        def changed(events: list[DirEvent]) -> None:
+            seen.extend((ev.kind, ev.name) for ev in events)
+            heard()
+
+        undo = watch.on_changes(changed)
+        try:
+            dead_socket(plugin_dir / ".ours.sock")  # our staging name, then linked into place
+            os.link(plugin_dir / ".ours.sock", plugin_dir / "ours.sock")
+            (plugin_dir / ".ours.sock").unlink()
+            (plugin_dir / ".kubelet_internal_checkpoint.tmp").write_text("{}")  # kubelet's temp, renamed
+            os.replace(plugin_dir / ".kubelet_internal_checkpoint.tmp", plugin_dir / "kubelet_internal_checkpoint")
+            await heard.wait(1)
+            dead_socket(plugin_dir / "gpu.sock")
+            (plugin_dir / "gpu.sock").unlink()
+            dead_socket(plugin_dir / "kubelet.sock")
+            (plugin_dir / "kubelet.sock").unlink()
+            (plugin_dir / "ours.sock").unlink()
+            await heard.wait(2)
+            while ("created", "kubelet.sock") not in seen:
+                await heard.wait(heard.calls + 1)
+            assert seen == [
+                ("created", "kubelet_internal_checkpoint"),
+                ("created", "gpu.sock"),
+                ("removed", "gpu.sock"),
+                ("created", "kubelet.sock"),
+            ], seen
+            undo()
+            dead_socket(plugin_dir / "other.sock")
+            dead_socket(plugin_dir / "kubelet.sock")  # also wakes subscribers: a sure sign the batch was read
+            calls = heard.calls
+            woken = Heard()
+            watch.subscribe("x.sock", woken)
+            (plugin_dir / "kubelet.sock").unlink()
+            await woken.wait(1)
+            assert heard.calls == calls
         finally:
             watch.close()
 

@@ -55,6 +55,34 @@ class TestDevicePluginService:
             assert exc.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert "device-plugin path withheld (DRA mode)" in str(exc.value.details())
 
+    async def test_each_list_sent_to_kubelet_is_told(self, tmp_path: Path) -> None:
+        """``on_sent`` hears the Healthy units of each list as it goes out on kubelet's streams (what kubelet's
+        word is then judged against), not on our own tools' streams; the withheld path sends none Healthy."""
+        res = kvm_resource(count=4)
+        for withheld, healthy in ((False, 4), (True, 0)):
+            sent: list[int] = []
+            server = endpoint.PluginServer(
+                res, str(tmp_path / res.config.socket_name), withheld=withheld, on_sent=sent.append
+            )
+            await server.start()
+            try:
+                async with grpc.aio.insecure_channel(unix_target(server.socket_path)) as channel:
+                    stub = api_pb2_grpc.DevicePluginStub(channel)
+                    tool = stub.ListAndWatch(api_pb2.Empty(), metadata=(("x-ate-devplugd-tool", "probe"),))
+                    await tool.read()
+                    call = stub.ListAndWatch(api_pb2.Empty())
+                    await call.read()
+                    if not withheld:  # the withheld path's list never changes
+                        res.update(GONE)
+                        await call.read()
+                        res.update(PRESENT)
+                        await call.read()
+                    call.cancel()
+                    tool.cancel()
+            finally:
+                await server.stop()
+            assert sent == ([healthy, 0, healthy] if not withheld else [0]), (withheld, sent)
+
     async def test_list_and_watch_ignores_non_changes(self, tmp_path: Path) -> None:
         """A re-probe with the same health sends nothing."""
         res = kvm_resource(count=2)

@@ -1,14 +1,18 @@
 """When kubelet, still running, has dropped a registered resource: the grace, the doubling wait, the count.
 
-kubelet's device manager ends a resource's ListAndWatch and disconnects its client (A7b: another client's
-stream for the resource ended, or ``DeRegisterPlugin``) without stopping: it then offers nothing of the
-resource (allocatable 0) and never calls the plugin again. A session heals that by registering once more
-(``session``); ``Drops`` holds only the timing, with no I/O, so any order of streams and waits can be
-tested alone. The first wait after kubelet stopped watching is ``STREAM_GRACE`` (a kubelet that restarts
-is seen as a new kubelet long before, and one that registered us opens its stream within milliseconds);
-each heal doubles the next wait, up to ``REREGISTER_CAP``, so a kubelet that keeps dropping the resource
-is not hammered; a kubelet that watched for ``STEADY``, and every new round (the next kubelet), start
-again at ``STREAM_GRACE``.
+kubelet's device manager drops a resource without stopping in two ways. It ends the resource's
+ListAndWatch and disconnects its client (another client's stream for the name ended, or
+``DeRegisterPlugin``): it then offers nothing of the resource (allocatable 0) and never calls the plugin
+again. Or (kubelet 1.36) another client for the name takes its place with our stream left open, and when
+that client goes kubelet offers nothing, with no signal on our stream; only kubelet's word shows it
+(``offer``). A session heals either by serving anew and registering once more (``session``); ``Drops``
+holds only the timing, with no I/O, so any order of streams and waits can be tested alone. The first wait
+after kubelet stopped watching (or, for the second way, after the session's last change) is
+``STREAM_GRACE`` (a kubelet that restarts is seen as a new kubelet long before, and one that registered us
+opens its stream within milliseconds); each heal doubles the next wait, up to ``REREGISTER_CAP``, so a
+kubelet that keeps dropping the resource (or a client that keeps taking the name) is not hammered; a
+kubelet that watched (or held the registration) for ``STEADY``, and every new round (the next kubelet),
+start again at ``STREAM_GRACE``.
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ class Drops:
     def healed(self) -> None:
         """A heal is made (one more Register): counted, and the next wait doubles."""
         self.heals += 1
+        self._delay = self._backoff.next()
+
+    def steady(self) -> None:
+        """kubelet held the registration for ``STEADY``: the next wait is ``STREAM_GRACE`` again."""
+        self._backoff.reset()
         self._delay = self._backoff.next()
 
     def later(self, now: float) -> None:

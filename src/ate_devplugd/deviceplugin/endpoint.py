@@ -45,10 +45,11 @@ class PluginServer:
         counter: AllocateCounter | None = None,
         *,
         withheld: bool = False,
+        on_sent: Callable[[int], None] | None = None,
     ) -> None:
         self.resource = resource
         self.socket_path = socket_path
-        self.servicer = DevicePluginServicer(resource, on_streams, counter, withheld=withheld)
+        self.servicer = DevicePluginServicer(resource, on_streams, counter, withheld=withheld, on_sent=on_sent)
         self._unix = UnixServer(
             socket_path,
             functools.partial(api_pb2_grpc.add_DevicePluginServicer_to_server, self.servicer),
@@ -92,6 +93,36 @@ class PluginServer:
             await self.servicer.in_flight.idle(grace)
         self.servicer.close()
         await stopping
+
+
+class Refusals:
+    """Failed Register attempts toward one kubelet, and how loudly each is said.
+
+    kubelet.sock refusing connections is part of every kubelet start (a killed kubelet's socket stays until
+    the new one's wipe; the new one is bound a moment before it listens), and a kubelet stopping cancels the
+    call in flight: a warning only once that lasts toward one kubelet (its tenth attempt, after about 2.5 s
+    of back-off), while an error kubelet answers with (or a deadline it lets pass) is one at once. Each new
+    kubelet starts again at 0, as the retry delay does, so a storm of short kubelet lives never adds up to
+    the warning that a kubelet refusing for seconds deserves.
+    """
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._kubelet: object = None
+
+    def failed(self, kubelet: object, code: grpc.StatusCode) -> tuple[int, int]:
+        """One more failure toward ``kubelet``: its attempt number and the level to log it at."""
+        if kubelet != self._kubelet:
+            self._kubelet, self._count = kubelet, 0
+        self._count += 1
+        transient = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        first = self._count == 1 and not transient
+        loud = first or self._count == 10 or self._count % 100 == 0
+        return self._count, logging.WARNING if loud else logging.DEBUG
+
+    def reset(self) -> None:
+        """A Register succeeded."""
+        self._count = 0
 
 
 async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeout: float) -> None:

@@ -3,9 +3,11 @@
 The daemon tells the mode which resources to serve (at start, and what a reload added or removed);
 the mode starts a session task for each, waits for their first attempts, stops them, and describes
 them for STATUS. Sessions restart themselves (kubelet restarts, lost sockets); a stopped session's
-socket is removed. When a first attempt takes longer than ``READY_TIMEOUT``, start-up (READY=1) and
-a reload go on without it, and say so: the ``ready`` event at warning, and a part of STATUS until that
-attempt ends.
+socket is removed. The sessions share one ``KubeletWord``: kubelet is asked what it offers on the plugin
+directory's events that may change it (``KubeletWatch.on_changes``) and on each session's own changes, one
+question for all of them (its pod-resources API; for DRA mode's withheld path, its checkpoint). When a
+first attempt takes longer than ``READY_TIMEOUT``, start-up (READY=1) and a reload go on without it, and
+say so: the ``ready`` event at warning, and a part of STATUS until that attempt ends.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.deviceplugin.session import Session
 from ate_devplugd.kubelet.watch import KubeletWatch
+from ate_devplugd.kubelet.word import KubeletWord
 from ate_devplugd.node.devices import DeviceRegistry, Resource
 from ate_devplugd.signals.metrics import Metrics
 
@@ -48,17 +51,28 @@ class DevicePlugins:
         self._on_state = on_state
         self._sessions: dict[str, Session] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: kubelet's word on what it offers, asked while a session runs (``_unhook``: the watch's events).
+        self._word = KubeletWord(watch.plugin_dir, api=not withheld, checkpoint=withheld)
+        self._unhook: Callable[[], None] | None = None
         #: The sessions whose first attempt outlasted READY_TIMEOUT (said in STATUS until it ends).
         self._late: set[str] = set()
 
     async def start(self, names: list[str] | tuple[str, ...]) -> None:
         """Serve and register these resources; return once each has made its first attempt."""
         loop = asyncio.get_running_loop()
+        if self._unhook is None and names:
+            self._unhook = self._watch.on_changes(self._word.seen)
         for name in names:
             resource = self._registry.resources[name]
             socket_path = posixpath.join(self._watch.plugin_dir, resource.config.socket_name)
             session = Session(
-                resource, socket_path, self._watch, self._on_state, self._metrics, withheld=self._withheld
+                resource,
+                socket_path,
+                self._watch,
+                self._on_state,
+                self._metrics,
+                withheld=self._withheld,
+                word=self._word,
             )
             self._sessions[name] = session
             self._tasks[name] = loop.create_task(session.run(), name=f"session {name}")
@@ -86,6 +100,10 @@ class DevicePlugins:
         for name in names:
             self._sessions.pop(name, None)
             self._late.discard(name)
+        if not self._sessions and self._unhook is not None:
+            self._unhook()
+            self._unhook = None
+            self._word.close()
 
     def looked(self, resource: Resource) -> None:
         """A look at a device, or a change of its withholding: its gauges (every unit offered once the

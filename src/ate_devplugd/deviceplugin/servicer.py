@@ -63,7 +63,8 @@ class _NoCounter:
 
 
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
-    """The DevicePlugin service for one resource; ``on_streams`` hears the number of open streams.
+    """The DevicePlugin service for one resource; ``on_streams`` hears the number of kubelet's open streams,
+    ``on_sent`` the Healthy units of each device list as it goes out on one of them.
 
     ``withheld``: the path is kept registered with every unit Unhealthy whatever the device's state, and
     Allocate refuses. DRA mode serves one so that the Node shows allocatable 0 (the scheduler takes the DRA
@@ -79,9 +80,11 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         counter: AllocateCounter | None = None,
         *,
         withheld: bool = False,
+        on_sent: Callable[[int], None] | None = None,
     ) -> None:
         self._resource = resource
         self._withheld = withheld
+        self._on_sent = on_sent
         self._closing = asyncio.Event()
         self._streams = 0
         self._on_streams = on_streams
@@ -117,6 +120,9 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 changed = self._resource.change_event()
                 response = list_response(self._resource, self._withheld)
                 if response is not sent:
+                    if counted and self._on_sent is not None:
+                        usable = self._resource.usable and not self._withheld
+                        self._on_sent(self._resource.config.count if usable else 0)
                     yield response
                     sent = response
                 waiter = asyncio.ensure_future(changed.wait())

@@ -8,12 +8,13 @@ which kubelet.sock is there?), so lost or reordered events cannot leave a wrong 
 
 One Register per kubelet: kubelet answers a second one by disconnecting the newer client as soon as the
 older stream ends (its ``runClient``), so a round registers again only with a kubelet.sock other than the
-one its Register reached (see ``kubelet.watch``). The one exception heals that very harm: when kubelet,
-still running, has ended our last ListAndWatch stream and opened none for a grace (a second), it no longer
-holds the resource (every unit unhealthy, allocatable 0, no further call to us), and one more Register on
-the same server gives it back: every such drop, however many come in one kubelet life, each warned of
-(``reregister``, with its number) and counted, the wait before each doubling while they keep coming
-(``drops.Drops`` holds the timing). A Register kubelet follows with no stream counts as a drop too.
+one its Register reached (see ``kubelet.watch``). The one exception heals a kubelet that, still running,
+no longer holds the resource (``holding``: no stream for a grace, or its own word says it does not offer
+what we serve). The session then serves anew before it registers once more: the old server's stop ends
+every stream kubelet still holds to us first, so that end cannot disconnect the new client (1.32-1.36
+disconnect a name's current client when any of its streams ends; 1.37 refuses a Register on a socket
+path whose stream it still holds). ``registered`` and STATUS follow kubelet's word where it can tell
+(``offer``), else the stream alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import logging
 import posixpath
 from collections.abc import Callable
 
@@ -31,9 +31,11 @@ from ate_devplugd.base.backoff import Backoff
 from ate_devplugd.base.unixserver import SocketGoneError, SocketInUseError
 from ate_devplugd.base.unixsock import FileIdentity
 from ate_devplugd.deviceplugin import endpoint
-from ate_devplugd.deviceplugin.drops import Drops
+from ate_devplugd.deviceplugin.holding import Holding
+from ate_devplugd.deviceplugin.offer import Verdict
 from ate_devplugd.deviceplugin.servicer import WITHHELD
 from ate_devplugd.kubelet.watch import KubeletWatch, SocketLoss
+from ate_devplugd.kubelet.word import KubeletWord, Word
 from ate_devplugd.node.devices import Resource
 from ate_devplugd.signals.metrics import Metrics
 
@@ -48,14 +50,23 @@ class SessionState(enum.Enum):
     REGISTERING = "registering"
     REGISTER_FAILED = "register failed"
     REGISTERED = "registered"
+    CONFIRMING = "registered, asking kubelet what it offers"
+    NOT_OFFERED = "registered, but kubelet does not offer it"
     STREAM_CLOSED = "registered, but kubelet closed its ListAndWatch stream"
     SOCKET_IN_USE = "socket in use"
     CANNOT_SERVE = "cannot serve"
     ERROR = "internal error; retrying"
 
 
+#: The states of a session that holds a registration (its Register returned, the round goes on).
+HOLDING = frozenset(
+    {SessionState.REGISTERED, SessionState.CONFIRMING, SessionState.NOT_OFFERED, SessionState.STREAM_CLOSED}
+)
+
+
 class Session:
-    """Keeps ``resource`` served on ``socket_path`` and registered; ``on_state`` hears each state change."""
+    """Keeps ``resource`` served on ``socket_path`` and registered; ``on_state`` hears each state change;
+    ``word`` is kubelet's word on what it offers (None: the stream alone tells)."""
 
     def __init__(
         self,
@@ -66,6 +77,7 @@ class Session:
         metrics: Metrics,
         *,
         withheld: bool = False,
+        word: KubeletWord | None = None,
     ) -> None:
         self.resource = resource
         self.socket_path = socket_path
@@ -83,13 +95,11 @@ class Session:
         #: The kubelet this round has accounted for (its kubelet.sock, None for none): the one there when
         #: the round began, then the one its Register reached. Any other is a kubelet not registered with.
         self._kubelet: FileIdentity | None = None
-        #: Failed Register attempts toward one kubelet (``_failures_kubelet``): each new kubelet starts
-        #: again at 0, as the retry delay does, so a storm of short kubelet lives never adds up to the
-        #: warning that a kubelet refusing for seconds deserves.
-        self._failures = 0
-        self._failures_kubelet: FileIdentity | None = None
-        #: Whether kubelet watches this round's registration, and when not watching is a drop to heal.
-        self._drops = Drops()
+        #: Failed Register attempts toward one kubelet, and how loudly each is said.
+        self._refusals = endpoint.Refusals()
+        self._word = word
+        #: Whether kubelet holds this round's registration (its streams, its word), and when not is a drop.
+        self._holding = self._new_holding()
 
     @property
     def name(self) -> str:
@@ -109,14 +119,17 @@ class Session:
         return f"{WITHHELD}, {state}" if self.withheld else f"{text}, {state}"
 
     def _set_state(self, state: SessionState, detail: str = "") -> None:
-        # registered: kubelet holds the registration AND watches it (what it offers comes from the stream)
-        self._metrics.set_registered(self.name, state is SessionState.REGISTERED and self._drops.streams > 0)
+        # registered: kubelet holds the registration, watches it and (where it can tell) offers what we serve
+        self._metrics.set_registered(self.name, state is SessionState.REGISTERED and self._holding.streams > 0)
         if (state, detail) != (self.state, self.detail):
             self.state, self.detail = state, detail
             self._on_state()
 
     def _wake(self) -> None:
         self._kick.set()
+
+    def _new_holding(self) -> Holding:
+        return Holding(self.resource, self._metrics, self._word, self._watch, self._wake, withheld=self.withheld)
 
     async def _wait(self, timeout: float | None = None) -> None:
         # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that lands in the same loop
@@ -128,6 +141,7 @@ class Session:
 
     async def run(self) -> None:
         unsubscribe = self._watch.subscribe(posixpath.basename(self.socket_path), self._wake)
+        unhear = self._word.subscribe(self._heard) if self._word is not None else None
         backoff = Backoff(first=0.05)
         try:
             while True:
@@ -145,19 +159,24 @@ class Session:
                     await self._wait(delay)
         finally:
             unsubscribe()
+            if unhear is not None:
+                unhear()
             await self._teardown()
 
     async def _round(self, backoff: Backoff) -> float:
         """Serve, register and hold once; the delay before the next round (0 for at once)."""
         self._kubelet = self._watch.kubelet()
-        self._drops = Drops()
+        self._holding = self._new_holding()
         try:
             await self._serve()
             await self._register()
             backoff.reset()
             while await self._hold():
+                # afresh: every stream kubelet still holds to us ends before the next Register reaches it
+                await self._teardown()
+                await self._serve()
                 await self._register()
-                self._drops.expect(asyncio.get_running_loop().time())  # a stream must follow
+                self._holding.drops.expect(asyncio.get_running_loop().time())  # a stream must follow
         except SocketGoneError:
             self._log_socket_loss()
         except SocketInUseError as exc:
@@ -180,7 +199,12 @@ class Session:
     async def _serve(self) -> None:
         self._set_state(SessionState.STARTING)
         self._server = endpoint.PluginServer(
-            self.resource, self.socket_path, self._streams_changed, self._metrics, withheld=self.withheld
+            self.resource,
+            self.socket_path,
+            self._streams_changed,
+            self._metrics,
+            withheld=self.withheld,
+            on_sent=self._list_sent,
         )
         await self._server.start()
         self.resource.events.debug("serving", "serving %s on %s", self.name, self.socket_path)
@@ -190,7 +214,7 @@ class Session:
         if server is not None:
             await server.stop()
             self._metrics.set_streams(self.name, 0)
-        self._drops.stopped()
+        self._holding.drops.stopped()
 
     async def _register(self) -> None:
         assert self._server is not None
@@ -228,7 +252,8 @@ class Session:
                     "kubelet-replaced", "kubelet.sock was replaced during Register; %s is with the new one", self.name
                 )
             self._kubelet = kubelet if gone else reached
-            self._failures = 0
+            self._refusals.reset()
+            self._holding.registered()
             self._metrics.registration(self.name)
             self.resource.events.info(
                 "registered",
@@ -237,30 +262,20 @@ class Session:
                 self.resource.config.socket_name,
                 self.resource.config.count,
             )
-            self._set_state(SessionState.REGISTERED)
+            self._show()
             if gone:
                 raise SocketGoneError(self.socket_path)
             return
 
     def _register_failed(self, exc: grpc.aio.AioRpcError, kubelet: FileIdentity) -> None:
-        # kubelet.sock refusing connections is part of every kubelet start (a killed kubelet's socket
-        # stays until the new one's wipe; the new one is bound a moment before it listens), and a kubelet
-        # stopping cancels the call in flight: a warning only once that lasts toward one kubelet (its
-        # tenth attempt, after about 2.5 s of back-off), while an error kubelet answers with (or a
-        # deadline it lets pass) is one at once.
-        if kubelet != self._failures_kubelet:
-            self._failures_kubelet, self._failures = kubelet, 0
-        self._failures += 1
+        attempt, level = self._refusals.failed(kubelet, exc.code())
         self._metrics.register_failure(self.name)
-        transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        first = self._failures == 1 and not transient
-        level = logging.WARNING if first or self._failures == 10 or self._failures % 100 == 0 else logging.DEBUG
         self.resource.events.log(
             level,
             "register-failed",
             "registering %s with kubelet failed (attempt %d): %s: %s",
             self.name,
-            self._failures,
+            attempt,
             exc.code().name,
             exc.details(),
         )
@@ -268,10 +283,10 @@ class Session:
 
     async def _hold(self) -> bool:
         """Wait until kubelet restarts or our socket goes (False: the next round starts), or until kubelet,
-        still running, has dropped the resource (True: register once more on this server)."""
+        still running, has dropped the resource (True: serve anew and register once more)."""
         assert self._server is not None
         while True:
-            await self._wait(self._grace_left())
+            await self._wait(self._holding.grace_left())
             if not self._server.socket_is_ours():
                 self._log_socket_loss()
                 return False
@@ -281,34 +296,8 @@ class Session:
                     "kubelet-restart", "kubelet.sock was re-created; registering %s anew", self.name
                 )
                 return False
-            if self._dropped(kubelet):
+            if self._holding.taken() or self._holding.dropped(kubelet is not None):
                 return True
-
-    def _grace_left(self) -> float | None:
-        """How long until kubelet not watching counts as the resource dropped (None: nothing to time)."""
-        return self._drops.left(asyncio.get_running_loop().time())
-
-    def _dropped(self, kubelet: FileIdentity | None) -> bool:
-        """Whether the kubelet registered with, still running, has let the resource go (no stream for the
-        wait since it stopped watching); if so, it is said and counted."""
-        now = asyncio.get_running_loop().time()
-        if not self._drops.due(now) or kubelet is None:
-            return False  # kubelet.sock gone: a kubelet stopping; the next one's socket wakes the session
-        if not self._watch.answers():
-            self._drops.later(now)  # stopped, its socket left behind: the next kubelet's wipe replaces it
-            return False
-        self._drops.healed()
-        self._metrics.reregistration(self.name)
-        self.resource.events.warning(
-            "reregister",
-            "kubelet has not watched %s for %.1f s while it still runs: it no longer holds the resource; "
-            "registering once more (drop %d with this kubelet; should it drop it again, the next in %.0f s)",
-            self.name,
-            now - self._drops.lost_at,
-            self._drops.heals,
-            self._drops.delay,
-        )
-        return True
 
     def _log_socket_loss(self) -> None:
         """Our socket is gone: kubelet removing it as it starts, or someone else."""
@@ -323,15 +312,36 @@ class Session:
 
     def _streams_changed(self, streams: int) -> None:
         """Keep STATUS and ``registered`` true: a registration kubelet no longer watches is not working."""
-        self._drops.streams_changed(streams, asyncio.get_running_loop().time())
+        self._holding.streams_changed(streams)
         self._metrics.set_streams(self.name, streams)
-        if self.state not in (SessionState.REGISTERED, SessionState.STREAM_CLOSED):
+        if self.state not in HOLDING:
             return
         if streams:
-            self._set_state(SessionState.REGISTERED)
+            self._show()
             return
         # kubelet ends the stream when it stops; it never reopens it by itself, so until it restarts
         # (or, still running, is registered with once more) it sees every unit as unhealthy.
         self.resource.events.info("stream-ended", "kubelet closed ListAndWatch for %s", self.name)
         self._set_state(SessionState.STREAM_CLOSED)
         self._wake()
+
+    def _list_sent(self, healthy: int) -> None:
+        """A device list goes out to kubelet: what kubelet offers is to be asked again after it."""
+        self._holding.list_sent(healthy)
+        if self.state in HOLDING and self._holding.streams:
+            self._show()
+
+    def _heard(self, word: Word) -> None:
+        """kubelet's word: STATUS and ``registered`` follow it; not offering what we serve is a drop."""
+        if self.state in HOLDING and self._holding.heard(word):
+            self._show()
+
+    def _show(self) -> None:
+        """The registration in STATUS: kubelet's word on it (after a heal, once a word taken since has come)."""
+        verdict = self._holding.offer.verdict
+        if verdict is Verdict.NOT_HELD:
+            self._set_state(SessionState.NOT_OFFERED, self._holding.offer.detail)
+        elif self._holding.offer.confirming and self._holding.asks:
+            self._set_state(SessionState.CONFIRMING)
+        else:
+            self._set_state(SessionState.REGISTERED)

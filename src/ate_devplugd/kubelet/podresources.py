@@ -1,16 +1,19 @@
 """kubelet's own word on what it offers: the pod-resources API's allocatable devices per resource.
 
-kubelet serves ``PodResourcesLister`` on ``<root-dir>/pod-resources/kubelet.sock`` (GA since 1.28; root only).
-``GetAllocatableResources`` lists every device kubelet's device manager counts as healthy, for each
-resource: the units the scheduler can have. That is the fact ``doctor`` wants when it asks whether kubelet
-holds our registration; the daemon's own metrics can only say what the daemon believes.
+kubelet serves ``PodResourcesLister`` on ``<root-dir>/pod-resources/kubelet.sock`` (root only).
+``GetAllocatableResources`` (KEP-2403: alpha in 1.21, beta and on by default from 1.23, GA in 1.28, its gate
+removed in 1.30) lists every device kubelet's device manager counts as healthy, for each resource: the
+units the scheduler can have (its ``GetAllocatableDevices``: every known device filtered by the healthy
+set). A resource whose units are all Unhealthy is listed with none, exactly as one kubelet does not hold
+at all. That is the fact ``doctor`` wants when it asks whether kubelet holds our registration, and the one
+the daemon's sessions follow (``kubelet.word``); the daemon's own metrics can only say what it believes.
+An older kubelet answers UNIMPLEMENTED (or, 1.21-1.22 with the gate off, an error).
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from collections import Counter
 from dataclasses import dataclass
 
 import grpc
@@ -30,13 +33,27 @@ def socket_for(plugin_dir: str) -> str:
 
 @dataclass(frozen=True)
 class Allocatable:
-    """kubelet's answer: healthy units per resource name (a resource it does not hold is absent)."""
+    """kubelet's answer: the healthy device IDs per resource name (a resource it does not hold is absent)."""
 
-    units: dict[str, int]
+    ids: dict[str, frozenset[str]]
+
+    @property
+    def units(self) -> dict[str, int]:
+        """How many units kubelet offers of each resource."""
+        return {name: len(ids) for name, ids in self.ids.items()}
 
 
 class Unanswered(Exception):
-    """The API could not be asked (no socket, kubelet too old, no permission) or did not answer in time."""
+    """The API could not be asked (no socket, kubelet too old, no permission) or did not answer in time;
+    ``lasting`` when asking again will not help (an older kubelet, a permission), not a kubelet starting."""
+
+    def __init__(self, reason: str, *, lasting: bool = False) -> None:
+        super().__init__(reason)
+        self.lasting = lasting
+
+
+#: Answers that asking again does not change: a kubelet without the call, a socket we may not use.
+_LASTING = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 
 
 async def allocatable(socket_path: str, timeout: float) -> Allocatable:
@@ -48,8 +65,9 @@ async def allocatable(socket_path: str, timeout: float) -> Allocatable:
         try:
             response = await stub.GetAllocatableResources(api_pb2.AllocatableResourcesRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            raise Unanswered(f"{socket_path}: {exc.code().name}: {exc.details()}") from None
-    units: Counter[str] = Counter()
+            reason = f"{socket_path}: {exc.code().name}: {exc.details()}"
+            raise Unanswered(reason, lasting=exc.code() in _LASTING) from None
+    ids: dict[str, set[str]] = {}
     for devices in response.devices:
-        units[devices.resource_name] += len(devices.device_ids)
-    return Allocatable(dict(units))
+        ids.setdefault(devices.resource_name, set()).update(devices.device_ids)
+    return Allocatable({name: frozenset(found) for name, found in ids.items()})

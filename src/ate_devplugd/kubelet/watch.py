@@ -27,6 +27,13 @@ old one behind. So when our socket goes, the old kubelet.sock may still be there
 other plugins' sockets removed before or after ours. The socket went with a kubelet restart when the
 kubelet.sock there is not the known one (gone, or another) or no longer answers; only while the known
 kubelet still answers was it someone else.
+
+What kubelet offers: its device manager changes what it offers of a resource when a client for the name
+registers or its stream ends, neither of which need touch our socket or our stream (kubelet 1.36 swaps
+the client of a name without ending the older one's stream). What the directory shows of that is another
+plugin's socket appearing or leaving, and kubelet's checkpoint rewritten (it took in some plugin's device
+list). Those events, kubelet.sock's creation and lost events go to the ``on_changes`` listeners
+(``kubelet.word`` asks kubelet then); our own sockets' events, dot-named staging and temp files do not.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from ate_devplugd.base.inotify import DirEvent, DirWatcher
 from ate_devplugd.base.logs import EventLog
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import FileIdentity, socket_answers
+from ate_devplugd.kubelet.dp_state import CHECKPOINT
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,8 @@ class KubeletWatch:
         self._on_kubelet = on_kubelet
         self.kubelet_socket = posixpath.join(plugin_dir, KUBELET_SOCKET)
         self._subscribers: dict[str, list[Callable[[], None]]] = {}
+        #: Called with each batch's events that may change what kubelet offers (the module doc).
+        self._on_changes: list[Callable[[list[DirEvent]], None]] = []
         self._dir = DirWatcher(plugin_dir, self._on_events)
         #: The kubelet.sock files handed out last, each with the O_PATH descriptor that holds its inode.
         self._held: OrderedDict[FileIdentity, int] = OrderedDict()
@@ -97,6 +107,12 @@ class KubeletWatch:
                 self._subscribers.pop(socket_name, None)
 
         return unsubscribe
+
+    def on_changes(self, callback: Callable[[list[DirEvent]], None]) -> Callable[[], None]:
+        """Call ``callback`` with the events that may change what kubelet offers (the module doc); returns
+        the undo."""
+        self._on_changes.append(callback)
+        return lambda: self._on_changes.remove(callback) if callback in self._on_changes else None
 
     def dir_exists(self) -> bool:
         return look(self.plugin_dir, directory=True) is not Look.ABSENT
@@ -135,6 +151,7 @@ class KubeletWatch:
     def _on_events(self, events: list[DirEvent]) -> None:
         everyone = False
         names: set[str] = set()
+        offer = [ev for ev in events if self._may_change_offer(ev)]
         for ev in events:
             if ev.kind in ("overflow", "dir-gone", "dir-back") or ev.name == KUBELET_SOCKET:
                 # kubelet came or went, or events were lost: every session looks again
@@ -152,3 +169,16 @@ class KubeletWatch:
             if everyone or name in names:
                 for callback in list(callbacks):
                     callback()
+        if offer:
+            for changed in list(self._on_changes):
+                changed(offer)
+
+    def _may_change_offer(self, ev: DirEvent) -> bool:
+        """Another plugin's socket came or went, kubelet wrote its checkpoint or started, or events were lost."""
+        if ev.kind in ("overflow", "dir-back"):
+            return True
+        if ev.kind not in ("created", "removed") or ev.name.startswith(".") or ev.name in self._subscribers:
+            return False
+        if ev.name in (KUBELET_SOCKET, CHECKPOINT):
+            return ev.kind == "created"
+        return True

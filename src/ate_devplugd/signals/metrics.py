@@ -119,8 +119,9 @@ _GAUGES: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
     ("device_usable", "1 if the device is healthy and not withheld: a pod granted it gets a working device.", _usable),
     (
         "registered",
-        "1 while kubelet holds a registration of the resource's current server and watches it (a ListAndWatch "
-        "stream open; DRA mode: the driver registered and the resource published): 0 while kubelet offers none.",
+        "1 while kubelet holds a registration of the resource's current server, watches it (a ListAndWatch "
+        "stream open) and by its own word (pod-resources) offers every unit served Healthy (DRA mode: the driver "
+        "registered and the resource published): 0 while kubelet offers none or fewer.",
         lambda r: r.registered,
     ),
     ("listandwatch_streams", "ListAndWatch streams kubelet holds open (1 while it watches).", lambda r: r.streams),
@@ -130,7 +131,8 @@ _COUNTERS: tuple[tuple[str, str, Callable[[_Resource], float]], ...] = (
     ("register_failures", "Register calls that failed (each is retried).", lambda r: r.register_failures),
     (
         "reregistrations",
-        "Registrations made again because kubelet, still running, had dropped the resource (its stream ended).",
+        "Registrations made again because kubelet, still running, had dropped the resource (its stream ended, "
+        "or its word said another client took the name).",
         lambda r: r.reregistrations,
     ),
     (
