@@ -10,14 +10,24 @@ stream-ended records also have "resource", list records have "healthy", "total" 
       with what was last seen per resource on stderr.
   events.py last LOG --event E --resource R
       Prints the last matching record (JSON) or exits 1.
+  events.py count LOG --event E [--since T] [--where KEY=VALUE]...
+      Prints how many records match.
   events.py check LOG [--since T]
       Fails on any "register-rejected" or "double-register" (a registration that arrived while the
       previous one's stream of the same resource was still open) at or after T.
-  events.py uevents LOG
+  events.py uevents LOG [--source kernel|udev]
       Records the kernel's uevents (netlink, as they arrive, no udevd involved) in LOG as records
-      {"t", "event": "uevent", "action", "subsystem", "devname", "devpath"}; prints "listening" once
-      bound, then runs until killed. A step measures from the kernel's event, not from a command that
-      caused it (modprobe -r alone takes half a second under the software CPU).
+      {"t", "event": "uevent", "action", "subsystem", "devname" (as the kernel gives it, without /dev/),
+      "devpath", "kvm_event"}; prints
+      "listening" once bound, then runs until killed. A step measures from the kernel's event, not from
+      a command that caused it (modprobe -r alone takes half a second under the software CPU).
+      --source udev records what udevd sends on after its rules instead (libudev's messages).
+      "kvm_event" is the EVENT property KVM's VM announcements carry (create, destroy), else "".
+  events.py vms NODE N
+      Starts and ends N VMs on the kvm node NODE (KVM_CREATE_VM, then the close of the VM's fd): the
+      kernel announces each start and end. The first is held until the others, one after another, have
+      ended, so that KVM switches the CPUs' virtualisation on once, not for every VM (on the emulated
+      x86-64 machine doing that again and again was seen to hang the guest). Prints {"vms": N, "ms": ...}.
   events.py wait ... --where KEY=VALUE
       Also requires the record's KEY to equal VALUE (repeatable), e.g. --where devname=kvm.
   events.py allocate SOCKET
@@ -29,9 +39,11 @@ stream-ended records also have "resource", list records have "healthy", "total" 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -139,6 +151,12 @@ def cmd_last(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_count(args: argparse.Namespace) -> int:
+    records, _ = read_records(args.log)
+    print(sum(matches(rec, args.event, args.since, None, args.where) for rec in records))
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     records, _ = read_records(args.log)
     problems = [
@@ -152,28 +170,59 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 NETLINK_KOBJECT_UEVENT = 15
-KERNEL_GROUP = 1  # the kernel's own uevents; udevd re-sends processed ones on group 2
+#: The kernel's own uevents on group 1; udevd re-sends each after its rules on group 2.
+GROUPS = {"kernel": 1, "udev": 2}
+#: libudev's messages start with this; their properties follow its header (properties_off in it).
+LIBUDEV_PREFIX = b"libudev\0"
+KVM_CREATE_VM = 0xAE01  # _IO(KVMIO, 0x01): the same number on x86-64 and arm64
+
+
+def uevent_properties(data: bytes) -> dict[str, str]:
+    """KEY=VALUE properties of a kernel uevent ("action@devpath" first) or of a libudev message."""
+    if data.startswith(LIBUDEV_PREFIX):
+        (start,) = struct.unpack_from("=I", data, 16)  # header: prefix, magic, header_size, properties_off
+        items = data[start:].split(b"\0")
+    else:
+        items = data.split(b"\0")[1:]
+    return dict(f.split("=", 1) for f in (i.decode(errors="replace") for i in items) if "=" in f)
 
 
 def cmd_uevents(args: argparse.Namespace) -> int:
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-    sock.bind((0, KERNEL_GROUP))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    sock.bind((0, GROUPS[args.source]))
     print("listening", flush=True)
     with args.log.open("a", buffering=1) as out:
         while True:
             data = sock.recv(65536)
             t = time.time()
-            fields = dict(f.split("=", 1) for f in data.decode(errors="replace").split("\0")[1:] if "=" in f)
+            fields = uevent_properties(data)
             rec = {
                 "t": t,
                 "event": "uevent",
                 "action": fields.get("ACTION", ""),
                 "subsystem": fields.get("SUBSYSTEM", ""),
-                "devname": fields.get("DEVNAME", ""),
+                "devname": fields.get("DEVNAME", "").removeprefix("/dev/"),  # udevd gives the path
                 "devpath": fields.get("DEVPATH", ""),
+                "kvm_event": fields.get("EVENT", "") if "CREATED" in fields else "",
             }
             out.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def cmd_vms(args: argparse.Namespace) -> int:
+    fd = os.open(args.node, os.O_RDWR | os.O_CLOEXEC)
+    t = time.monotonic()
+    try:
+        held = fcntl.ioctl(fd, KVM_CREATE_VM, 0)
+        try:
+            for _ in range(args.count - 1):
+                os.close(fcntl.ioctl(fd, KVM_CREATE_VM, 0))
+        finally:
+            os.close(held)
+    finally:
+        os.close(fd)
+    print(json.dumps({"vms": args.count, "ms": round((time.monotonic() - t) * 1000)}))
+    return 0
 
 
 def cmd_allocate(args: argparse.Namespace) -> int:
@@ -235,19 +284,30 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("--event", required=True)
     la.add_argument("--resource", required=True)
     la.set_defaults(func=cmd_last)
+    n = sub.add_parser("count")
+    n.add_argument("log", type=Path)
+    n.add_argument("--event", required=True)
+    n.add_argument("--since", type=float, default=0.0)
+    n.add_argument("--where", action="append", default=[], metavar="KEY=VALUE")
+    n.set_defaults(func=cmd_count)
     c = sub.add_parser("check")
     c.add_argument("log", type=Path)
     c.add_argument("--since", type=float, default=0.0)
     c.set_defaults(func=cmd_check)
     u = sub.add_parser("uevents")
     u.add_argument("log", type=Path)
+    u.add_argument("--source", choices=sorted(GROUPS), default="kernel")
     u.set_defaults(func=cmd_uevents)
+    v = sub.add_parser("vms")
+    v.add_argument("node")
+    v.add_argument("count", type=int)
+    v.set_defaults(func=cmd_vms)
     al = sub.add_parser("allocate")
     al.add_argument("socket")
     al.add_argument("--timeout", type=float, default=30.0)
     al.set_defaults(func=cmd_allocate)
     args = ap.parse_args(argv)
-    if args.cmd == "wait":
+    if args.cmd in ("wait", "count"):
         args.where = where_pairs(args.where)
     return int(args.func(args))
 

@@ -2,34 +2,51 @@
 # Whole-system test: install the .deb in a Debian 12 VM with real systemd, udevd and kernel modules,
 # and check the daemon against the fake kubelet while devices come and go.
 #
-# Usage (as root, on a machine that can run qemu-system-x86_64 with the software CPU):
-#   tests/system/build-image.sh                      # once; cached in .cache/vm/
-#   tests/system/run.sh dist/ate-devplugd_*.deb      # boots a fresh overlay, runs guest-test.sh
-#                                                    # (of several .debs, the newest file is tested)
+# Usage (as root, on an amd64 machine that can run qemu with the software CPU):
+#   tests/system/build-image.sh [ARCH]                         # once; cached in .cache/vm/ARCH/
+#   tests/system/run.sh [--arch ARCH] [--full] dist/ate-devplugd_*.deb
+#       boots a fresh overlay of the ARCH image (amd64, the default, or arm64: an emulated aarch64
+#       machine) and runs guest-test.sh there (of several .debs, the newest file is tested). --full
+#       also runs the steps that the arm64 test leaves out by default, emulation making them slow.
 #
-# Output: the guest's test log, one "STEP n name: PASS|FAIL <ms> ms" line per step, then a summary.
+# Output: the guest's test log, one "STEP n name: PASS|FAIL <ms> ms" line per step, then a summary
+# whose last line is "N passed, M failed".
 # Exit status: 0 when every step passed; non-zero otherwise (the guest journal is then printed).
-# Artifacts (kept after every run): $SYSTEST_OUT, default build/system-test/ -- test.log, journal.txt
+# Artifacts (kept after every run): $SYSTEST_OUT, default build/system-test/ (arm64:
+# build/system-test-arm64/) -- test.log, journal.txt
 # (the guest's whole journal), kubelet.jsonl (the fake kubelet's events), console.log (the serial
 # console), rc (the guest test's exit status).
 #
 # Environment:
-#   SYSTEST_TIMEOUT     seconds before qemu is killed (default 900; the guest stops its test 60 s earlier)
-#   SYSTEST_OUT         artifact directory (default <repo>/build/system-test)
+#   SYSTEST_TIMEOUT     seconds before qemu is killed (default 900, arm64 1800; the guest stops its test
+#                       60 s earlier)
+#   SYSTEST_OUT         artifact directory (default <repo>/build/system-test, for arm64 -arm64 added)
 #   SYSTEST_GUEST_TEST  the script to run in the guest (default tests/system/guest-test.sh)
 #   SYSTEST_SMP, SYSTEST_MEM   guest CPUs (default 2) and memory in MiB (default 2048)
 #
 # The software CPU is used on purpose: on these machines /dev/kvm only runs specially built guest
-# kernels, and with "-cpu max" the guest gets an emulated AMD SVM, so kvm_amd and /dev/kvm work inside.
+# kernels. Its guest kernel gets KVM all the same: on amd64 "-cpu max" emulates AMD SVM (kvm_amd
+# loads), on arm64 the virt machine gives it EL2 (see arch.sh).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
+# shellcheck source=tests/system/arch.sh
+. "$here/arch.sh"
 
 log() { printf 'system-test: %s\n' "$*"; }
 die() { log "error: $*" >&2; exit 2; }
 
-(($# >= 1)) || die "usage: $0 DEB"
+arch=amd64 full=0
+while (($#)); do
+    case $1 in
+    --arch) (($# >= 2)) || die "--arch wants amd64 or arm64"; arch=$2; shift 2 ;;
+    --full) full=1; shift ;;
+    *) break ;;
+    esac
+done
+systest_arch "$arch" || die "usage: $0 [--arch amd64|arm64] [--full] DEB"
+(($# >= 1)) || die "usage: $0 [--arch amd64|arm64] [--full] DEB"
 for d in "$@"; do
     [[ -f $d ]] || die "no such .deb: $d"
 done
@@ -38,16 +55,22 @@ deb=$(ls -t -- "$@" | head -n1)
 (($# == 1)) || log "$# packages given; testing the newest: $deb"
 [[ $(id -u) == 0 ]] || die "must run as root"
 
-timeout_s=${SYSTEST_TIMEOUT:-900}
-out=${SYSTEST_OUT:-$repo/build/system-test}
+default_timeout=900
+[[ $ARCH == amd64 ]] || default_timeout=1800
+timeout_s=${SYSTEST_TIMEOUT:-$default_timeout}
+default_out=$repo/build/system-test
+[[ $ARCH == amd64 ]] || default_out+=-$ARCH
+out=${SYSTEST_OUT:-$default_out}
 guest_test=${SYSTEST_GUEST_TEST:-$here/guest-test.sh}
 [[ -f $guest_test ]] || die "no guest test script: $guest_test"
 
-imgdir=$("$here/build-image.sh")
-for f in base.img vmlinuz initrd.img packages.txt; do
+image_args=("$ARCH")
+((full)) && image_args+=(--full)
+imgdir=$("$here/build-image.sh" "${image_args[@]}")
+for f in base.img vmlinuz initrd.img packages.txt mshv_standin.ko mshv_spare.ko; do
     [[ -f $imgdir/$f ]] || die "image incomplete: $imgdir/$f missing"
 done
-command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 is not installed"
+command -v "$QEMU" >/dev/null || die "$QEMU is not installed"
 
 # Every dependency of the .deb must already be in the image: the guest has no network.
 missing=()
@@ -80,13 +103,13 @@ if [[ -d $repo/tests/fakes ]]; then
     rm -rf "$share/fakes/__pycache__"
 fi
 # The containers' checker (a tiny VMM), static: the image it runs in holds nothing else but busybox.
-command -v gcc >/dev/null && [[ -f /usr/include/linux/kvm.h ]] || {
-    log "installing gcc libc6-dev"
-    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q gcc libc6-dev >&2
-}
-gcc -static -O2 -Wall -o "$share/kvmcheck" "$repo/tests/podman/kvmcheck.c" || die "cannot build the checker"
+host_install "${CROSS_PKGS[@]}" || die "cannot install ${CROSS_PKGS[*]}"
+"${CROSS}gcc" -static -O2 -Wall -o "$share/kvmcheck" "$repo/tests/podman/kvmcheck.c" || die "cannot build the checker"
+# The stand-ins for /dev/mshv, built with the image for its kernel.
+cp "$imgdir/mshv_standin.ko" "$imgdir/mshv_spare.ko" "$share/"
 cp "$deb" "$share/$(basename "$deb")"
 basename "$deb" >"$share/deb-name"
+echo "$full" >"$share/full"
 # The guest stops its own test a little before the host gives up on the guest.
 echo $((timeout_s > 120 ? timeout_s - 60 : timeout_s / 2)) >"$share/guest-timeout"
 
@@ -109,15 +132,15 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 log "image $imgdir"
-log "booting the guest (timeout ${timeout_s} s); artifacts in $out"
+log "booting the $ARCH guest (timeout ${timeout_s} s); artifacts in $out"
 t0=$(date +%s.%N)
 timeout --kill-after=10 "$timeout_s" \
-    qemu-system-x86_64 \
+    "$QEMU" \
     -nodefaults -no-user-config -display none -no-reboot \
-    -machine pc -accel tcg,thread=multi -cpu max \
+    "${QEMU_MACHINE[@]}" -accel tcg,thread=multi \
     -smp "${SYSTEST_SMP:-2}" -m "${SYSTEST_MEM:-2048}" \
     -kernel "$imgdir/vmlinuz" -initrd "$imgdir/initrd.img" \
-    -append "console=ttyS0 root=/dev/vda rw panic=-1 systemd.show_status=1" \
+    -append "console=$CONSOLE root=/dev/vda rw panic=-1 systemd.show_status=1" \
     -drive "file=$overlay,if=virtio,format=qcow2,cache=unsafe" \
     -virtfs "local,path=$share,mount_tag=share,security_model=none,id=share" \
     -device virtio-rng-pci \
@@ -186,10 +209,12 @@ if [[ -f $out/test.log ]]; then
 fi
 steps_passed=$(grep -cE '^STEP [0-9]+ .*: PASS' "$out/test.log" 2>/dev/null || true)
 steps_failed=$(grep -cE '^STEP [0-9]+ .*: FAIL' "$out/test.log" 2>/dev/null || true)
-log "${steps_passed:-0} passed, ${steps_failed:-0} failed"
 if ((status == 0)); then
-    log "PASS"
+    log "PASS ($ARCH guest, qemu ${wall} s)"
 else
     log "FAIL (artifacts in $out)"
+    # A run that failed outside its steps (qemu killed, no exit status) counts as one failure more.
+    ((steps_failed > 0)) || steps_failed=1
 fi
+echo "${steps_passed:-0} passed, ${steps_failed:-0} failed"
 exit "$status"
