@@ -132,3 +132,14 @@ class TestEachVerdict:
         assert "gets EACCES; no CDI for it" in found.message
         assert found.remedy == 'set cdi = "required" for it (README: Non-root sandboxes)'
         assert os.stat(tmp_path / "kvm").st_mode & 0o777 == 0o660
+
+
+def test_the_kvm_remedy_is_the_nodes_architectures() -> None:
+    """A missing /dev/kvm: a module to load on amd64; on arm64, whose Debian kernel has KVM built in, a boot
+    at EL2 (there is no module to load)."""
+    from ate_devplugd.commands.doctor import _load_kvm_remedy, arm64
+
+    assert "kvm_intel or kvm_amd" in _load_kvm_remedy("x86_64")
+    assert arm64("aarch64") and not arm64("x86_64")
+    remedy = _load_kvm_remedy("aarch64")
+    assert "EL2" in remedy and "modprobe" not in remedy

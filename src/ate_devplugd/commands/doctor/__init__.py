@@ -21,6 +21,7 @@ import asyncio
 import errno
 import grp
 import os
+import platform
 import posixpath
 import pwd
 import stat
@@ -177,7 +178,14 @@ def device_findings(
     return out
 
 
-def _load_kvm_remedy() -> str:
+def arm64(machine: str | None = None) -> bool:
+    """Whether this is an arm64 node (``machine``: a test's ``uname -m``), whose kernel has KVM built in."""
+    return (machine or platform.machine()) in ("aarch64", "arm64")
+
+
+def _load_kvm_remedy(machine: str | None = None) -> str:
+    if arm64(machine):  # Debian's arm64 kernel: CONFIG_KVM=y, no module to load
+        return "boot the kernel at EL2 (bare metal, or a VM with nested virtualisation on): its KVM is built in"
     return "load kvm_intel or kvm_amd (modprobe) with virtualisation on in the firmware"
 
 
@@ -197,7 +205,9 @@ def kvm_finding(dev: DeviceConfig, node: str, kernel: KernelView) -> Finding:
             f"{node} answers KVM_GET_API_VERSION but KVM_CREATE_VM fails ({errno.errorcode.get(exc.errno or 0, '?')}: "
             f"{exc.strerror}): virtualisation is off in the firmware, or this machine (a cloud instance without "
             "nested virtualisation) cannot run guests",
-            "turn on VT-x/AMD-V in the firmware, or use an instance type with nested virtualisation",
+            "boot the kernel at EL2 (bare metal, or an instance type with nested virtualisation)"
+            if arm64()
+            else "turn on VT-x/AMD-V in the firmware, or use an instance type with nested virtualisation",
         )
     return ok(check, f"KVM API {devices.KVM_API_VERSION}; KVM_CREATE_VM works")
 
