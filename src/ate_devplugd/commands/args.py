@@ -197,7 +197,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         which.add_argument(
             "--kubelet-credentials",
             action="store_true",
-            help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses only, no RBAC or policy",
+            help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses and a read-only role that lets "
+            "nodes read them (for switch-mode and doctor), no other RBAC or policy",
         )
         which.add_argument(
             "--stage",
