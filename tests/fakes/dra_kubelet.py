@@ -16,6 +16,11 @@ It behaves as kubelet 1.36 does (``pkg/kubelet/pluginmanager`` and ``pkg/kubelet
   socket behind, as a stopped kubelet does (kubelet_watch.py);
 - with ``hold_health``, it opens the health stream of each driver it registers and holds it, as kubelet
   1.36 does (it ends with ``stop()``);
+- ``register_lag``: kubelet's plugin manager registers a socket its watcher saw only at its reconciler's
+  next pass (``pkg/kubelet/pluginmanager/reconciler``: once a second), so a registration comes up to a
+  second after the socket; the lag is the awaitable this returns, called per socket (none: at once). A
+  registration that fails (GetInfo not answered within its deadline, on a loaded node) is tried again at
+  a later pass while the socket is there, as the reconciler does;
 - a driver that deregisters has ``wiping_delay`` (kubelet's ``defaultWipingDelay``, 30 s, in
   pkg/kubelet/cm/dra/manager.go) to register again before kubelet deletes its ResourceSlices on this
   node (``on_wipe(driver)``, given the fake API server's ``wipe_driver``); a registration of the same
@@ -32,7 +37,7 @@ import asyncio
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +106,9 @@ class FakeDraKubelet:
         wiping_delay: float = WIPING_DELAY,
         device_plugin_dir: Path | None = None,
         hold_health: bool = False,
+        register_lag: Callable[[], Awaitable[object]] | None = None,
     ):
+        self.register_lag = register_lag
         self.registry = kubelet_dir / "plugins_registry"
         self.device_plugin_dir = device_plugin_dir
         self.hold_health = hold_health
@@ -192,9 +199,18 @@ class FakeDraKubelet:
         if not stat.S_ISSOCK(mode):
             self.events.put_nowait(Event("ignored", name, "not a socket"))
             return
-        await self._register(path)
+        if self.register_lag is None:
+            await self._register(path)
+            return
+        while not self._stopping:
+            await self.register_lag()  # the reconciler's next pass
+            if not path.exists():
+                return  # gone meanwhile: the reconciler finds nothing to register
+            if await self._register(path):
+                return
 
-    async def _register(self, path: Path) -> None:
+    async def _register(self, path: Path) -> bool:
+        """One registration of the socket: whether it ended (registered or refused; False: failed)."""
         channel = grpc.aio.insecure_channel("unix://" + str(path))
         stub = reg_grpc.RegistrationStub(channel)
         try:
@@ -207,12 +223,12 @@ class FakeDraKubelet:
             )
         except (TimeoutError, grpc.aio.AioRpcError) as exc:
             self.events.put_nowait(Event("register-failed", path.name, str(exc)))
-            return
+            return False
         finally:
             await channel.close()
         if error:
             self.events.put_nowait(Event("register-refused", info.name, error))
-            return
+            return True
         version = next(v for v in info.supported_versions if v in self.known_versions)
         pb, grpc_module = _VERSIONS[version]
         endpoint = info.endpoint or str(path)
@@ -231,6 +247,7 @@ class FakeDraKubelet:
         if pending is not None:
             pending.cancel()
             self.events.put_nowait(Event("wipe-cancelled", info.name))
+        return True
 
     def _validate(self, info: reg_pb2.PluginInfo) -> str:
         if info.type != "DRAPlugin":
