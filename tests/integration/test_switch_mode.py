@@ -126,7 +126,7 @@ async def test_daemon_stopped_before_the_move(kernel: FakeKernel, fake_root: Pat
     """The daemon stopped before each move (to DRA, back, and the later run that removes the kept drop-in):
     the command starts it and waits for kubelet to hold it before it cordons, then trusts only the new
     daemon's record and a Node read after it (the stale "above 0" of a stopped daemon never uncordons).
-    Pods arrive again once the command has said its first step."""
+    Pods arrive again once the command has cordoned the node."""
     value = seed()
     with load(cpu) as machine:
         async with node(value, kernel, fake_root) as rig:
@@ -149,8 +149,10 @@ async def test_daemon_stopped_before_the_move(kernel: FakeKernel, fake_root: Pat
 
 
 async def resume_after_check(rig: Rig, since: int) -> None:
-    """Pods arrive again once the command said its first step (kubelet holds the daemon again)."""
-    await rig.line(": 1/6 ", since)
+    """Pods arrive again once the command has cordoned the node (its first step, the check, is done: kubelet
+    holds the daemon again). One bound between the check and the cordon would meet a daemon that kubelet's
+    device manager may not have listed yet, on a node that was broken before the command came."""
+    await rig.line(": 2/6 ", since)
     rig.arriving = True
 
 
@@ -290,7 +292,7 @@ async def test_an_interrupted_move_then_finished(kernel: FakeKernel, fake_root: 
             signum = getattr(signal, how)
 
             async def interrupt() -> None:
-                await rig.line("waiting: 1 pod(s) not admitted yet", since)
+                await rig.line(" pod(s) not admitted yet", since)
                 os.kill(os.getpid(), signum)
 
             interrupting = loop.create_task(interrupt())

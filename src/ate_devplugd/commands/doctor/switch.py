@@ -49,7 +49,8 @@ async def findings(found: Found, timeout: float, dropin_dir: str) -> list[Findin
         ((node or {}).get("spec") or {}).get("unschedulable")
     )
     target = annotations.get(TARGET_ANNOTATION)
-    state = f"the file says mode {file.mode if file is not None else '?'}, the daemon runs {running or 'nowhere'}"
+    daemon = f"the daemon runs {running} mode" if running is not None else "no daemon runs"
+    state = f"the file says mode {file.mode if file is not None else '(the file does not load)'}, {daemon}"
     if dra is not None and target in ("dra", "device-plugin"):
         cordon = "is cordoned by" if ours else "carries the target of"
         out.append(
