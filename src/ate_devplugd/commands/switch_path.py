@@ -1,12 +1,15 @@
 """``switch-mode``'s fifth step: kubelet's word first, then the Node as the scheduler sees it.
 
 The wait takes, in order: the new daemon's own record that kubelet holds it in the target mode (a daemon
-started after the restart; ``switch_daemon``); then, read after that record, the Node and this node's
-slices showing the target's path (DRA: allocatable 0 for each resource and our slices published with
-devices; device-plugin: allocatable above 0 and no slice of our driver, any left deleted); then the record
-once more, so that a daemon that crashed meanwhile is waited for again. A reading taken before the record
-never counts, and none taken before the restart is used at all (docs/switching.md: what the Node can
-say after a restart, and why a status written before it may still be read once kubelet holds the daemon).
+started after the restart; ``switch_daemon``); in device-plugin mode, kubelet's own word besides, its
+pod-resources API offering units of each resource (the record says kubelet opened its stream, which comes
+a moment before kubelet has the daemon's list of devices); then, read after those, the Node and this
+node's slices showing the target's path (DRA: allocatable 0 for each resource and our slices published
+with devices; device-plugin: allocatable above 0 and no slice of our driver, any left deleted); then the
+record (and kubelet's word) once more, so that a daemon that crashed meanwhile is waited for again. A
+reading taken before those never counts, and none taken before the restart is used at all
+(docs/switching.md: what the Node can say after a restart, and why a status written before it may still
+be read once kubelet holds the daemon).
 """
 
 from __future__ import annotations
@@ -19,9 +22,15 @@ from typing import Any
 from ate_devplugd.commands import instance, switch_daemon, switch_wait
 from ate_devplugd.commands.instance import Running
 from ate_devplugd.commands.switch_daemon import Restart
+from ate_devplugd.commands.switch_files import SwitchFailed
 from ate_devplugd.commands.switch_wait import Wait
 from ate_devplugd.config import Config
 from ate_devplugd.dra.apiclient import NODES, SLICES, ApiClient, ApiError, slice_path
+
+#: The first and the longest wait before kubelet's pod-resources API is asked again, and each call's deadline.
+FIRST_ASK = 0.02
+LONGEST_ASK = 1.0
+ASK_TIMEOUT = 5.0
 
 
 class Path:
@@ -40,6 +49,7 @@ class Path:
         self._node, self._driver = config.dra.node_name, config.dra.driver
         self._resources = [dev.resource for dev in config.devices]
         self._step, self._waiting = step, waiting
+        self._unanswered = False
 
     @property
     def _selector(self) -> str:
@@ -92,6 +102,7 @@ class Path:
         while True:
             await switch_daemon.until(self._config, accept, left(), self._waiting, "kubelet holding the daemon")
             if self._target == "device-plugin":
+                await self.offered(left())
                 await self._delete_slices(step)
             node = f"metadata.name={self._node}"
             await switch_wait.until(
@@ -102,9 +113,40 @@ class Path:
             )
             now = await instance.serving(self._config)
             why = accept(now) if now is not None else "the daemon ended"
+            if why is None and self._target == "device-plugin":
+                why = await self._not_offered()
             if now is not None and why is None:
                 return now
             self._waiting(f"{why} (after the Node showed the path: kubelet's word again first)")
+
+    async def offered(self, timeout: float) -> None:
+        """Until kubelet's pod-resources API offers units of every resource (asked again after a back-off
+        while it offers none yet); where that API cannot be asked (an older kubelet, no socket), the
+        record's word stands, said once. SwitchFailed after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline, delay, said = loop.time() + timeout, FIRST_ASK, ""
+        while (why := await self._not_offered()) is not None:
+            if why != said:
+                self._waiting(why)
+                said = why
+            if loop.time() >= deadline:
+                raise SwitchFailed(f"kubelet offering the units: not within {timeout:g} s: {why}")
+            await asyncio.sleep(min(delay, max(deadline - loop.time(), 0)))  # the back-off before it is asked again
+            delay = min(delay * 2, LONGEST_ASK)
+
+    async def _not_offered(self) -> str | None:
+        """Why kubelet's own word does not say it offers every resource (None: it does, or cannot be asked)."""
+        from ate_devplugd.kubelet import podresources  # noqa: PLC0415 - gRPC only for device-plugin mode
+
+        try:
+            held = await podresources.allocatable(podresources.socket_for(self._config.plugin_dir), ASK_TIMEOUT)
+        except podresources.Unanswered as exc:
+            if not self._unanswered:
+                self._waiting(f"kubelet's pod-resources API cannot be asked ({exc}): the daemon's record stands")
+                self._unanswered = True
+            return None
+        missing = [name for name in self._resources if not held.units.get(name)]
+        return f"kubelet offers no unit of {missing[0]} yet (its pod-resources API)" if missing else None
 
     def _wait(self, what: str, timeout: float) -> Wait:
         return Wait(what, timeout, self._waiting)
