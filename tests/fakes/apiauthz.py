@@ -10,12 +10,14 @@ it under ``deps/github.com/openshift/kubernetes``; the rules below carry no Open
   ``NodeRules()`` (``plugin/pkg/auth/authorizer/rbac/bootstrappolicy/policy.go``: v1.34.2 lines
   189-281, v1.35.3 194-286, v1.36.2 200-292; :data:`NODE_RULES` holds the ones not judged above). Their
   only ``resource.k8s.io`` rules are get on resourceclaims and deletecollection on resourceslices, so a
-  node may not get or list **deviceclasses**: 403. RBAC adds nothing for a node: the ``system:node``
-  binding has had no subjects since 1.8 (policy.go ``ClusterRoleBindings``, v1.36.2 lines 716-720), and
-  the bindings to ``system:authenticated`` (system:basic-user, system:discovery,
-  system:public-info-viewer) grant self-reviews and non-resource URLs only. deviceclasses are read by
-  the kube-scheduler role (policy.go v1.36.2 line 655) and the resource-claim controller
-  (controller_policy.go v1.36.2 line 238), neither bound to nodes.
+  node may not get or list **deviceclasses** by them. Where the Node authorizer has no opinion, the chain
+  goes on to RBAC, and by default that adds nothing for a node: the ``system:node`` binding has had no
+  subjects since 1.8 (policy.go ``ClusterRoleBindings``, v1.36.2 lines 716-720), and the bindings to
+  ``system:authenticated`` (system:basic-user, system:discovery, system:public-info-viewer) grant
+  self-reviews and non-resource URLs only. deviceclasses are read by the kube-scheduler role (policy.go
+  v1.36.2 line 655) and the resource-claim controller (controller_policy.go v1.36.2 line 238), neither
+  bound to nodes; a binding an administrator makes to ``system:nodes`` (``dra-manifests
+  --kubelet-credentials``'s read-only role) lets them read.
 - the driver's service account (``system:serviceaccount:<ns>:<name>``, groups ``system:serviceaccounts``,
   ``system:serviceaccounts:<ns>``, ``system:authenticated``): no default binding grants it any resource
   (``system:service-account-issuer-discovery`` is non-resource URLs), so RBAC is what an administrator

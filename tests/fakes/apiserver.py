@@ -8,8 +8,9 @@ It behaves as the real one does toward a node's DRA driver (Kubernetes 1.36's ap
 - who may do what (``apiauthz``, which names the Kubernetes source): ``token`` is kubelet's credential
   (``system:node:<node>``), judged by the Node authorizer: list/watch of slices need
   ``spec.nodeName=<node>``, create needs ``spec.nodeName`` to be the node (NodeRestriction), and what the
-  authorizer does not judge itself, DeviceClasses among it, only as ``NodeRules()`` allows (no
-  DeviceClass: 403); ``forbid_after_create = N`` answers 403 to the next N get, update or delete of a
+  authorizer does not judge itself, DeviceClasses among it, as ``NodeRules()`` allows, else as RBAC does
+  (the chain ``Node,RBAC``: no DeviceClass is readable until an administrator binds a role to the node or
+  to ``system:nodes``); ``forbid_after_create = N`` answers 403 to the next N get, update or delete of a
   slice just created (the authorizer's graph lags behind its own watch). ``service_account_token`` is
   the driver's service account with a token bound to this node, judged by RBAC over the ClusterRoles and
   bindings an administrator created here (none: 403 for everything); once a ValidatingAdmissionPolicy
@@ -22,6 +23,8 @@ It behaves as the real one does toward a node's DRA driver (Kubernetes 1.36's ap
   source refreshes at most once a second, while an RBAC grant works at once: contract §9);
 - ``consumable_capacity = False``: the DRAConsumableCapacity gate is off (1.34-1.35 by default) and
   ``allowMultipleAllocations`` is dropped silently (§4b), from what is stored and from a dry-run's answer;
+  ``extended_resource = False``: the DRAExtendedResource gate is off (1.34-1.35 by default) and a
+  DeviceClass is stored without ``spec.extendedResourceName``, silently (§5);
 - ``dryRun=All`` on a slice create: authorized, admitted and validated as a create, answered with the
   object as it would be stored (a generated name, fields of a gate that is off dropped), nothing stored;
 - ``kubelet_restarted()``: kubelet's start-up deletes every slice of the node (§2); ``wipe_driver()``:
@@ -162,6 +165,8 @@ class FakeApiServer:
         self.service_account = service_account
         self.pki = pki
         self.consumable_capacity = True
+        #: The DRAExtendedResource gate (off: a DeviceClass is stored without ``extendedResourceName``).
+        self.extended_resource = True
         self.forbid_after_create = 0
         self.authenticators_ready = True
         self.authorizers_ready = True
@@ -209,10 +214,13 @@ class FakeApiServer:
         self._record("nodes", "ADDED", node)
         return node
 
-    def set_node_status(self, allocatable: dict[str, str], capacity: dict[str, str]) -> None:
-        """kubelet's node-status update: the Node's allocatable and capacity as it reports them."""
+    def set_node_status(self, allocatable: dict[str, str], capacity: dict[str, str], kubelet_version: str = "") -> None:
+        """kubelet's node-status update: the Node's allocatable and capacity as it reports them (and, given,
+        ``status.nodeInfo.kubeletVersion``)."""
         node = self.nodes[self.node_name]
         node["status"] = {"allocatable": dict(allocatable), "capacity": dict(capacity)}
+        if kubelet_version:
+            node["status"]["nodeInfo"] = {"kubeletVersion": kubelet_version}
         self._record("nodes", "MODIFIED", node)
 
     def put_pod(self, pod: dict[str, Any]) -> None:
@@ -530,8 +538,12 @@ class FakeApiServer:
             or (graph_needed and not self.authorizers_ready)  # its graph is empty until its informers sync
         ):
             raise Problem(403, "Forbidden", f"no relationship found between node '{self.node_name}' and this object")
+        user = f"system:node:{self.node_name}"
         if not judged and not apiauthz.node_rules_allow(attrs):
-            raise Problem(403, "Forbidden", apiauthz.forbidden_message(f"system:node:{self.node_name}", attrs))
+            # the Node authorizer has no opinion: RBAC decides, with the bindings an administrator made
+            rbac = self.objects if self.authorizers_ready else {}
+            if not apiauthz.rbac_allows(rbac, user, ["system:nodes", "system:authenticated"], attrs):
+                raise Problem(403, "Forbidden", apiauthz.forbidden_message(user, attrs))
         return caller
 
     async def _nodes(self, request: web.Request, caller: Caller) -> web.StreamResponse:
@@ -611,6 +623,8 @@ class FakeApiServer:
         if method == "PUT" and (key[2] != name or key not in self.objects):
             raise Problem(404, "NotFound", f'{resource} "{name}" not found')
         obj = copy.deepcopy(body)
+        if kind == "DeviceClass" and not self.extended_resource:  # the gate off: the field dropped, silently
+            (obj.get("spec") or {}).pop("extendedResourceName", None)
         obj["metadata"]["uid"] = self.objects[key]["metadata"]["uid"] if key in self.objects else str(uuid.uuid4())
         obj["metadata"]["resourceVersion"] = str(next(self._rv))
         self.objects[key] = obj

@@ -6,7 +6,8 @@ It behaves as kubelet 1.36 does (``pkg/kubelet/pluginmanager`` and ``pkg/kubelet
   that goes away;
 - registration: dial (10 s), GetInfo with kubelet's **1 s** deadline, check the type is ``DRAPlugin``,
   take the first supported version it knows (``known_versions``; kubelet 1.32 knows only
-  ``v1beta1.DRAPlugin``), then NotifyRegistrationStatus (5 s) with the outcome;
+  ``v1beta1.DRAPlugin``) into the DRA manager, then NotifyRegistrationStatus (5 s) with the outcome (so
+  a driver told it is registered is already one kubelet calls, as in kubelet's ``operation_generator.go``);
 - prepare/unprepare through the chosen version on the returned endpoint, 45 s per call, and the
   v1alpha1 health stream (``watch_health``);
 - ``restart()``: a kubelet started again registers every plugin socket anew;
@@ -16,6 +17,11 @@ It behaves as kubelet 1.36 does (``pkg/kubelet/pluginmanager`` and ``pkg/kubelet
   socket behind, as a stopped kubelet does (kubelet_watch.py);
 - with ``hold_health``, it opens the health stream of each driver it registers and holds it, as kubelet
   1.36 does (it ends with ``stop()``);
+- ``register_lag``: kubelet's plugin manager registers a socket its watcher saw only at its reconciler's
+  next pass (``pkg/kubelet/pluginmanager/reconciler``: once a second), so a registration comes up to a
+  second after the socket; the lag is the awaitable this returns, called per socket (none: at once). A
+  registration that fails (GetInfo not answered within its deadline, on a loaded node) is tried again at
+  a later pass while the socket is there, as the reconciler does;
 - a driver that deregisters has ``wiping_delay`` (kubelet's ``defaultWipingDelay``, 30 s, in
   pkg/kubelet/cm/dra/manager.go) to register again before kubelet deletes its ResourceSlices on this
   node (``on_wipe(driver)``, given the fake API server's ``wipe_driver``); a registration of the same
@@ -32,7 +38,7 @@ import asyncio
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +107,9 @@ class FakeDraKubelet:
         wiping_delay: float = WIPING_DELAY,
         device_plugin_dir: Path | None = None,
         hold_health: bool = False,
+        register_lag: Callable[[], Awaitable[object]] | None = None,
     ):
+        self.register_lag = register_lag
         self.registry = kubelet_dir / "plugins_registry"
         self.device_plugin_dir = device_plugin_dir
         self.hold_health = hold_health
@@ -192,27 +200,53 @@ class FakeDraKubelet:
         if not stat.S_ISSOCK(mode):
             self.events.put_nowait(Event("ignored", name, "not a socket"))
             return
-        await self._register(path)
+        if self.register_lag is None:
+            await self._register(path)
+            return
+        while not self._stopping:
+            await self.register_lag()  # the reconciler's next pass
+            if not path.exists():
+                return  # gone meanwhile: the reconciler finds nothing to register
+            if await self._register(path):
+                return
 
-    async def _register(self, path: Path) -> None:
+    async def _register(self, path: Path) -> bool:
+        """One registration of the socket, in kubelet's order (``GenerateRegisterPluginFunc``): dial, GetInfo,
+        validate; the plugin taken into kubelet's DRA manager *before* NotifyRegistrationStatus, so a driver
+        told it is registered is one kubelet calls. Whether it ended (registered, or refused: kubelet keeps
+        it as tried); False when it failed before kubelet knew the plugin (dial or GetInfo), which kubelet's
+        reconciler tries again."""
         channel = grpc.aio.insecure_channel("unix://" + str(path))
         stub = reg_grpc.RegistrationStub(channel)
         try:
-            async with asyncio.timeout(DIAL_TIMEOUT):
-                await channel.channel_ready()
-            info = await stub.GetInfo(reg_pb2.InfoRequest(), timeout=GET_INFO_TIMEOUT)
+            try:
+                async with asyncio.timeout(DIAL_TIMEOUT):
+                    await channel.channel_ready()
+                info = await stub.GetInfo(reg_pb2.InfoRequest(), timeout=GET_INFO_TIMEOUT)
+            except (TimeoutError, grpc.aio.AioRpcError) as exc:
+                self.events.put_nowait(Event("register-failed", path.name, str(exc)))
+                return False
             error = self._validate(info)
+            if error:
+                await self._notify(stub, path, error)
+                self.events.put_nowait(Event("register-refused", info.name, error))
+                return True
+            self._take(info, path)
+            await self._notify(stub, path, "")
+            return True
+        finally:
+            await channel.close()
+
+    async def _notify(self, stub: Any, path: Path, error: str) -> None:
+        try:
             await stub.NotifyRegistrationStatus(
                 reg_pb2.RegistrationStatus(plugin_registered=not error, error=error), timeout=NOTIFY_TIMEOUT
             )
-        except (TimeoutError, grpc.aio.AioRpcError) as exc:
-            self.events.put_nowait(Event("register-failed", path.name, str(exc)))
-            return
-        finally:
-            await channel.close()
-        if error:
-            self.events.put_nowait(Event("register-refused", info.name, error))
-            return
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:  # the plugin stays as kubelet took it
+            self.events.put_nowait(Event("notify-failed", path.name, str(exc)))
+
+    def _take(self, info: reg_pb2.PluginInfo, path: Path) -> None:
+        """The DRA manager's RegisterPlugin: the plugin's client made (a new one replaces the old)."""
         version = next(v for v in info.supported_versions if v in self.known_versions)
         pb, grpc_module = _VERSIONS[version]
         endpoint = info.endpoint or str(path)
@@ -222,7 +256,7 @@ class FakeDraKubelet:
         )
         old = self.plugins.pop(info.name, None)
         if old is not None:
-            await old.channel.close()
+            self._spawn(old.channel.close())
         self.plugins[info.name] = plugin
         self.events.put_nowait(Event("registered", info.name, version))
         if self.hold_health:

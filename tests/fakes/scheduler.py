@@ -1,13 +1,18 @@
 """The rest of a node's Kubernetes around the daemon, as a node switching modes meets it (docs/switching.md):
 
-- ``NodeStatusReporter``: kubelet's node-status update, only every ``period`` (``nodeStatusUpdateFrequency``,
-  10 s by default): the Node object's allocatable and capacity are what kubelet's device manager said
-  *then* (``FakeKubelet.allocatable``), so the Node lags kubelet by up to a period;
+- ``NodeStatusReporter``: kubelet 1.36's node-status update (``pkg/kubelet/kubelet_node_status.go``,
+  ``tryUpdateNodeStatus``): every ``period`` (``nodeStatusUpdateFrequency``, 10 s by default) it computes
+  the status from what kubelet's device manager says *then* (``FakeKubelet.allocatable``), and writes it
+  only when it changed, or once ``report_every`` (``nodeStatusReportFrequency``, 5 min by default with
+  node leases) passed since the last write. So the Node lags kubelet by up to a period, and a restart
+  whose gap falls between two computations writes nothing at all. The Node carries
+  ``status.nodeInfo.kubeletVersion`` (``version``);
 - ``Scheduler``: one node, pods asking ``ate.dev/kvm: 1``, as kube-scheduler 1.36 ``filterExtendedResources``
   chooses: ``spec.unschedulable`` is honoured; allocatable above 0 in the Node *as last reported* is the
-  device-plugin path; 0 (a DeviceClass maps the name) is the DRA path, through a device of our slice (a claim
-  is made and allocated); neither: the pod waits. A pod is bound a moment after its path was chosen
-  (``bind_delay``), cordon or not, as a scheduler's assumed pod is;
+  device-plugin path; 0 where a stored DeviceClass maps the name (``extendedResourceName``) and the
+  scheduler's DRAExtendedResource gate is on (``extended_resource``) is the DRA path, through a device of our
+  slice (a claim is made and allocated); neither: the pod waits (``Insufficient ate.dev/kvm``). A pod is
+  bound a moment after its path was chosen (``bind_delay``), cordon or not, as a scheduler's assumed pod is;
 - ``PodKubelet``: kubelet's pod side on the node. Device-plugin path: admission fails at once
   (``UnexpectedAdmissionError``, terminal) when the device manager has no healthy unit, else Allocate on
   the plugin and a device-plugin allocation in the checkpoint (kept after the pod ends, as kubelet 1.36
@@ -16,7 +21,10 @@
   fails (``CreateContainerConfigError: endpoint not found in cache``, retried) while the checkpoint holds a
   device-plugin allocation of the resource and no endpoint of it is registered or within its grace
   (``endpoint_grace``, kubelet's 5 minutes); deletion of a DRA pod needs NodeUnprepareResources through a
-  registered driver (retried every ``sync``).
+  registered driver (retried every ``sync``). Every failed prepare is kept on the pod (``prepare_failures``):
+  on a real node kubelet tries again only at a later sync (62-74 s seen), so a pod that meets one starts
+  late. With kubelet's DRAExtendedResource gate off (``extended_resource``) a pod sent down the DRA path
+  is admitted as a device-plugin one, and fails (``UnexpectedAdmissionError``).
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ class Pod:
     gone: bool = False
     uid: str = ""
     device: str = ""
+    #: Each failed NodePrepareResources, its reason.
+    prepare_failures: list[str] = field(default_factory=list)
+    #: How long it runs once started (None: until deleted); then it is deleted, as a finished VM's pod.
+    lifetime: float | None = None
 
     @property
     def wait(self) -> float | None:
@@ -55,20 +67,51 @@ class Pod:
 
 
 class NodeStatusReporter:
-    """kubelet's node-status updates: allocatable as the device manager has it, every ``period``."""
+    """kubelet's node-status updates (module doc): computed every ``period``, written on a change or after
+    ``report_every``."""
 
-    def __init__(self, api: FakeApiServer, kubelet: FakeKubelet, resource: str, period: float, phase: float) -> None:
+    def __init__(
+        self,
+        api: FakeApiServer,
+        kubelet: FakeKubelet,
+        resource: str,
+        period: float,
+        phase: float,
+        *,
+        report_every: float = 300.0,
+        version: str = "v1.36.2",
+    ) -> None:
         self._api, self._kubelet, self._resource = api, kubelet, resource
         self.period, self._phase = period, phase
+        self.report_every, self.version = report_every, version
         self._task: asyncio.Task[None] | None = None
+        self._written: tuple[int, int] | None = None
+        self._written_at = 0.0
+        #: Each status written, as (time, allocatable).
+        self.writes: list[tuple[float, int]] = []
+        self._written_event = asyncio.Event()
 
-    def report(self) -> None:
+    def report(self, *, force: bool = False) -> None:
+        """One computation of the status: written when it changed or is due (or ``force``)."""
         allocatable = self._kubelet.allocatable(self._resource)
         capacity = max(
             allocatable,
             int((self._api.nodes[self._api.node_name].get("status") or {}).get("capacity", {}).get(self._resource, 0)),
         )
-        self._api.set_node_status({self._resource: str(allocatable)}, {self._resource: str(capacity)})
+        now = time.monotonic()
+        due = now - self._written_at >= self.report_every
+        if force or due or self._written != (allocatable, capacity):
+            self._api.set_node_status(
+                {self._resource: str(allocatable)}, {self._resource: str(capacity)}, kubelet_version=self.version
+            )
+            self._written, self._written_at = (allocatable, capacity), now
+            self.writes.append((now, allocatable))
+            self._written_event.set()
+
+    async def next_write(self) -> None:
+        """Until kubelet next writes the Node's status."""
+        self._written_event.clear()
+        await self._written_event.wait()
 
     def start(self, phase: float | None = None) -> None:
         """Report every ``period``, the first one ``phase`` from now (the constructor's phase if None)."""
@@ -95,7 +138,7 @@ class NodeStatusReporter:
         stop or start (real milliseconds, not scaled) would otherwise span scaled seconds of lag; on a
         real node it is far shorter than a period, so a stop always lands inside the lag."""
         await self.stop()
-        self.report()
+        self.report(force=True)
         try:
             yield
         finally:
@@ -117,6 +160,8 @@ class Scheduler:
     ) -> None:
         self._api, self._kubelet, self._resource, self._driver = api, kubelet, resource, driver
         self._rng, self._bind_delay = rng, bind_delay
+        #: kube-scheduler's DRAExtendedResource gate.
+        self.extended_resource = True
         self._queue: list[Pod] = []
         self._wake = asyncio.Event()
         self._taken: set[str] = set()
@@ -143,6 +188,8 @@ class Scheduler:
         allocatable = int(((node.get("status") or {}).get("allocatable") or {}).get(self._resource, "0"))
         if allocatable > 0:
             return ("device-plugin", "")
+        if not self.extended_resource or not self._mapped():
+            return None  # Insufficient ate.dev/kvm
         for piece in self._api.node_slices():
             if piece["spec"]["driver"] != self._driver:
                 continue
@@ -150,6 +197,13 @@ class Scheduler:
                 if device["name"] not in self._taken:
                     return ("dra", device["name"])
         return None
+
+    def _mapped(self) -> bool:
+        """A stored DeviceClass maps the resource (the API server keeps the field only with its gate on)."""
+        return any(
+            kind == "DeviceClass" and (obj.get("spec") or {}).get("extendedResourceName") == self._resource
+            for (kind, _, _), obj in self._api.objects.items()
+        )
 
     def start(self) -> None:
         async def run() -> None:
@@ -198,6 +252,9 @@ class PodKubelet:
         #: kubelet's device-manager checkpoint: resources with a device-plugin allocation recorded.
         self.checkpoint: set[str] = set()
         self.scheduler: Scheduler | None = None
+        #: kubelet's DRAExtendedResource gate.
+        self.extended_resource = True
+        self._held: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.changed = asyncio.Event()
         self._stopping = False
@@ -246,7 +303,20 @@ class PodKubelet:
         ]
         return bool(ended) and time.monotonic() - ended[-1] < self._grace
 
+    def hold_admission(self) -> None:
+        """Pods bound from now on wait before their admission until ``release_admission()`` (kubelet busy)."""
+        self._held = asyncio.Event()
+
+    def release_admission(self) -> None:
+        if self._held is not None:
+            self._held.set()
+        self._held = None
+
     async def _admit(self, pod: Pod) -> None:
+        if self._held is not None:
+            await self._held.wait()
+        if pod.path == "dra" and not self.extended_resource:  # taken for the device plugin's, whose units are withheld
+            return self._fail(pod, "UnexpectedAdmissionError: Allocate failed due to no healthy devices present")
         if pod.path == "device-plugin":
             if self._dp.allocatable(self._resource) < 1:
                 return self._fail(pod, "UnexpectedAdmissionError: Allocate failed due to no healthy devices present")
@@ -270,6 +340,8 @@ class PodKubelet:
                 else:
                     return self._run(pod)
             pod.reason = error
+            if error.startswith("FailedPrepareDynamicResources"):
+                pod.prepare_failures.append(error)
             await asyncio.sleep(self._sync)  # kubelet's next pod sync
 
     async def _prepare(self, pod: Pod) -> str:
@@ -292,9 +364,13 @@ class PodKubelet:
     def _run(self, pod: Pod) -> None:
         pod.phase, pod.reason, pod.started = "Running", "", time.monotonic()
         self._put(pod, ready=True)
+        if pod.lifetime is not None:
+            asyncio.get_running_loop().call_later(pod.lifetime, self.delete, pod)
 
     def delete(self, pod: Pod) -> None:
         """The pod deleted: its containers stop, then (DRA) its claim is unprepared, then it is gone."""
+        if pod.deleted:
+            return
         pod.deleted = True
         if pod.path == "":
             return  # never scheduled: the scheduler's queue forgets it

@@ -475,6 +475,20 @@ class TestDraMode:
             assert checks["slice ate.dev/kvm"].level is Level.OK
             assert checks["slice ate.dev/kvm"].message == "s1 published with 128 device(s)"
             assert [c for c, f in checks.items() if f.level is not Level.OK] == ["deviceclass"]
+
+            # the read-only role of dra-manifests --kubelet-credentials: the class is read back
+            api.create(*manifests.node_read_objects(dra))
+            checks = api_checks(await examine(path, node))
+            assert checks["deviceclass ate.dev/kvm"].level is Level.OK, checks
+            # an API server without DRAExtendedResource stores the class without extendedResourceName
+            api.objects.pop(("DeviceClass", "", "kvm.ate.dev"))
+            api.extended_resource = False
+            api.create(manifests.device_class(dra, "ate.dev/kvm"))
+            dropped = api_checks(await examine(path, node))["deviceclass ate.dev/kvm"]
+            assert dropped.level is Level.FAIL
+            assert dropped.message.startswith("DeviceClass kvm.ate.dev is stored without extendedResourceName")
+            assert "DRAExtendedResource feature gate is off" in dropped.message
+            assert "DRAExtendedResource=true in kube-apiserver" in dropped.remedy
         finally:
             await api.stop()
 
@@ -557,3 +571,47 @@ class TestDraMode:
         checks = by_check(await examine(path, Node(kernel=kernel, find_kubelet=lambda: None)))
         assert checks["apiserver"].level is Level.FAIL
         assert "http://127.0.0.1:9 cannot be reached" in checks["apiserver"].message
+
+
+def kubelet_proc(tmp_path: Path, *flags: str, file_gates: str = "") -> Path:
+    """A ``/proc`` holding a kubelet process: its command line and the config file it names."""
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    config = tmp_path / "kubelet-config.yaml"
+    config.write_text("kind: KubeletConfiguration\n" + file_gates)
+    (proc / "4242" / "comm").write_text("kubelet\n")
+    argv = ["/usr/bin/kubelet", "--config", str(config), *flags]
+    (proc / "4242" / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in argv))
+    (proc / "4242" / "cwd").symlink_to("/")
+    return proc
+
+
+class TestDraGates:
+    """kubelet's DRAExtendedResource as its command line and config file set it, not guessed from its version."""
+
+    @pytest.mark.parametrize(
+        "case",
+        [
+            ("v1.35.3", (), "", Level.FAIL),  # alpha: off by default
+            ("v1.35.3", ("--feature-gates=DRAExtendedResource=true",), "", Level.OK),
+            ("v1.34.2", (), "featureGates:\n  DRAExtendedResource: true\n", Level.OK),
+            ("v1.36.2", (), "", Level.OK),  # beta: on by default
+            ("v1.36.2", ("--feature-gates=DRAExtendedResource=false",), "", Level.FAIL),
+            ("v1.33.4", (), "", Level.FAIL),  # too old for DRA mode
+        ],
+    )
+    async def test_kubelet_gates(
+        self, tmp_path: Path, fake_root: Path, kernel: FakeKernel, case: tuple[str, tuple[str, ...], str, Level]
+    ) -> None:
+        version, flags, file_gates, level = case
+        path, _ = dra_node(tmp_path, fake_root, "http://127.0.0.1:9", TOKEN)
+        binary = kubelet_binary(tmp_path, version)
+        proc = kubelet_proc(tmp_path, *flags, file_gates=file_gates)
+        node = Node(kernel=kernel, find_kubelet=lambda: str(binary), proc_root=str(proc))
+        found = {f.check: f for f in await examine(path, node)}["kubelet version"]
+        assert found.level is level, found
+        if version >= "v1.34" and level is Level.FAIL:
+            assert "DRAExtendedResource off" in found.message, found
+            assert found.remedy.startswith("turn on DRAExtendedResource=true in kubelet (--feature-gates="), found
+        if level is Level.OK:
+            assert "DRAExtendedResource on" in found.message and "kube-scheduler's cannot be seen" in found.message

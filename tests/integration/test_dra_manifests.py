@@ -89,8 +89,8 @@ class TestApply:
                 assert api.created("ValidatingAdmissionPolicy", binding["spec"]["policyName"]) is not None
                 role_binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
                 assert api.created("ClusterRole", role_binding["roleRef"]["name"]) is not None
-            else:
-                assert set(kinds) == {"DeviceClass"}
+            else:  # and the read-only role that lets nodes read them
+                assert set(kinds) == {"DeviceClass", "ClusterRole", "ClusterRoleBinding"}
 
     def test_policy_comes_before_the_grant(self) -> None:
         """The policy and its binding precede the ClusterRole and its binding that grant the writes."""
@@ -181,6 +181,19 @@ class TestWhoMayRead:
             code, message = await status_of(api.url, NODE_TOKEN, CLASSES + "/kvm.ate.dev")
             assert code == 403, message
             assert message.startswith('deviceclasses.resource.k8s.io "kvm.ate.dev" is forbidden: User "system:node:')
+
+    async def test_kubelet_credentials_variant_lets_nodes_read_device_classes(self) -> None:
+        """The service-account variant leaves nodes without a read of DeviceClasses (above); the variant for
+        kubelet's credentials binds a read-only role to system:nodes: a node then lists and gets them, and
+        may still write none, nor read anything else it could not before."""
+        async with api_server() as api:
+            assert await apply(api.url, ADMIN, documents(manifests.render(CONFIG, RESOURCES, with_access=False))) == []
+            assert (await status_of(api.url, NODE_TOKEN, CLASSES))[0] == 200
+            assert (await status_of(api.url, NODE_TOKEN, CLASSES + "/kvm.ate.dev"))[0] == 200
+            code, message = await status_of(api.url, NODE_TOKEN, CLASSES, "POST")
+            assert code == 403 and "cannot create resource" in message, message
+            assert (await status_of(api.url, NODE_TOKEN, "/api/v1/namespaces"))[0] == 403
+            assert (await status_of(api.url, SA_TOKEN, CLASSES))[0] == 403  # the service account: nothing
 
     @pytest.mark.parametrize("with_access", [True, False], ids=["service-account", "kubelet-credentials"])
     async def test_service_account_reads_what_the_role_grants(self, with_access: bool) -> None:
@@ -281,8 +294,10 @@ class TestRefuseMulti:
             *["DeviceClass"] * len(RESOURCES),
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
+            "ClusterRole",  # nodes may read the DeviceClasses
+            "ClusterRoleBinding",
         ]
-        policy, binding = docs[-2:]
+        policy, binding = docs[-4:-2]
         spec = policy["spec"]
         assert spec["failurePolicy"] == "Ignore"
         assert spec["matchConstraints"] == {

@@ -32,14 +32,19 @@ from tests.support import (
     write_config,
 )
 
+#: What applies a new mode: never a restart (it loses the pods arriving meanwhile).
+SWITCH_MODE_LINE = (
+    "ate-devplugd: a new mode is applied by `ate-devplugd switch-mode dra` (it cordons the node for the restart, "
+    "so no arriving pod is lost), not by a reload or a plain restart\n"
+)
 RESTART_ONLY_LINE = (
     "ate-devplugd: reload refused: mode = 'dra' (running: 'device-plugin'): changes only on restart, "
-    "so nothing of this reload was applied\n"
+    "so nothing of this reload was applied\n" + SWITCH_MODE_LINE
 )
 #: The same change in a file: DRA mode's [dra] table comes with it (its defaults).
 RESTART_ONLY_FILE_LINE = (
     "ate-devplugd: reload refused: mode = 'dra' (running: 'device-plugin'), [dra] added: change only on "
-    "restart, so nothing of this reload was applied\n"
+    "restart, so nothing of this reload was applied\n" + SWITCH_MODE_LINE
 )
 
 

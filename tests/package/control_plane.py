@@ -5,6 +5,8 @@ of its own (systemd-run), beside the fake kubelet's device manager (the fake-kub
     control_plane.py serve --node NAME --kubeconfig PATH --kubelet-dir DIR --kubelet-log KLOG --log LOG
     control_plane.py state --node NAME --kubeconfig PATH [--driver DRIVER]
     control_plane.py cordoned --log LOG --after T
+    control_plane.py apply --kubeconfig PATH < manifests.yaml
+    control_plane.py pod NAME [--delete]
 
 serve runs, until SIGTERM:
 - the fake API server (tests/fakes/apiserver.py) on 127.0.0.1 (plain HTTP, kubelet's token), with the Node
@@ -14,7 +16,12 @@ serve runs, until SIGTERM:
   driver's slices 30 s after it went, as kubelet does;
 - kubelet's node-status update: every PERIOD the Node's allocatable and capacity are set to what the
   fake kubelet's device manager last said in KLOG (a ListAndWatch's healthy and total units; 0 healthy once
-  its stream ended, it disconnected, restarted or stopped), when that changed.
+  its stream ended, it disconnected, restarted or stopped), when that changed, with kubelet's version
+  (VERSION) in ``status.nodeInfo``;
+- an administrator's credential (ADMIN_TOKEN), which ``apply`` uses to create what ``dra-manifests`` prints;
+- on 127.0.0.1:CONTROL_PORT, the pods bound to the node as the test puts them there: ``pod NAME`` adds a
+  Running pod that took the DRA path for ate.dev/kvm (its claim made by the scheduler), ``--delete`` removes
+  it (as kubelet's unprepare and deletion would).
 What it sees goes to LOG as JSON lines ("t", "event", ...), for wait_event.py: "listening" once it serves,
 "node" (spec.unschedulable and the annotations, when they change), "node-status", "slice-added",
 "slice-modified", "slice-deleted" (name, driver, devices), "dra-registered", "dra-deregistered" and
@@ -41,11 +48,17 @@ from typing import Any
 
 # The share's tests.fakes, beside this file (and the project's package on PYTHONPATH, for the DRA kubelet).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from aiohttp import web
+
 from tests.fakes.apiserver import NODES, SLICES, FakeApiServer
 from tests.fakes.dra_kubelet import FakeDraKubelet
 
 PORT = 6443
+CONTROL_PORT = 6444
 TOKEN = "pkgtest-kubelet-token"
+ADMIN_TOKEN = "pkgtest-admin-token"
+#: The kubelet the Node says it runs (DRAExtendedResource on by default).
+VERSION = "v1.36.2"
 #: kubelet's node-status update period here (nodeStatusUpdateFrequency, 10 s by default on a node).
 PERIOD = 1.0
 #: The fake kubelet's events after which its device manager offers none of the resource's units.
@@ -112,7 +125,7 @@ class StatusReporter:
         if self._units != self._reported:
             allocatable = {name: str(units[0]) for name, units in self._units.items()}
             capacity = {name: str(units[1]) for name, units in self._units.items()}
-            self._api.set_node_status(allocatable, capacity)
+            self._api.set_node_status(allocatable, capacity, kubelet_version=VERSION)
             self._reported = dict(self._units)
             self._log("node-status", allocatable=allocatable, capacity=capacity)
 
@@ -124,7 +137,7 @@ class StatusReporter:
 
 async def serve(args: argparse.Namespace) -> int:
     log = Log(args.log)
-    api = FakeApiServer(args.node, token=TOKEN)
+    api = FakeApiServer(args.node, token=TOKEN, admin_token=ADMIN_TOKEN)
     seen: dict[str, Any] = {}
 
     def node_changed(resource: str) -> None:
@@ -158,6 +171,7 @@ async def serve(args: argparse.Namespace) -> int:
             ev = await dra.events.get()
             log(f"dra-{ev.kind}", driver=ev.name, detail=ev.detail)
 
+    control = await serve_pods(api, args.node, log)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,10 +182,75 @@ async def serve(args: argparse.Namespace) -> int:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await control.cleanup()
     await dra.stop()
     await api.stop()
     log("stopped")
     return 0
+
+
+def dra_pod(name: str, node: str) -> dict[str, Any]:
+    """A pod bound to ``node`` that asked ate.dev/kvm and took the DRA path, Running."""
+    container = {"name": "vm", "resources": {"limits": {"ate.dev/kvm": "1"}, "requests": {"ate.dev/kvm": "1"}}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": "default", "name": name},
+        "spec": {"nodeName": node, "containers": [container]},
+        "status": {"phase": "Running", "extendedResourceClaimStatus": {"resourceClaimName": name + "-claim"}},
+    }
+
+
+async def serve_pods(api: FakeApiServer, node: str, log: Log) -> web.AppRunner:
+    """POST or DELETE /pods/NAME on 127.0.0.1:CONTROL_PORT: a DRA pod bound here, or its removal."""
+
+    async def handle(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if request.method == "DELETE":
+            api.remove_pod("default", name)
+        else:
+            api.put_pod(dra_pod(name, node))
+        log("pod", name=name, method=request.method)
+        return web.Response(text="ok\n")
+
+    app = web.Application()
+    app.router.add_route("*", "/pods/{name}", handle)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", CONTROL_PORT).start()
+    return runner
+
+
+def apply(kubeconfig_path: str) -> int:
+    """The YAML documents on stdin created with the administrator's credential (as ``kubectl apply``)."""
+    import yaml
+
+    with open(kubeconfig_path, encoding="utf-8") as f:
+        server = json.load(f)["clusters"][0]["cluster"]["server"]
+    collections = {
+        "DeviceClass": "/apis/resource.k8s.io/v1/deviceclasses",
+        "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+        "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    }
+    for doc in yaml.safe_load_all(sys.stdin):
+        if not doc:
+            continue
+        request = urllib.request.Request(
+            server + collections[doc["kind"]],
+            data=json.dumps(doc).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10):
+            print(f"{doc['kind'].lower()}/{doc['metadata']['name']} created")
+    return 0
+
+
+def pod(args: argparse.Namespace) -> int:
+    method = "DELETE" if args.delete else "POST"
+    request = urllib.request.Request(f"http://127.0.0.1:{CONTROL_PORT}/pods/{args.name}", data=b"", method=method)
+    with urllib.request.urlopen(request, timeout=10):
+        return 0
 
 
 def get(kubeconfig: dict[str, Any], path: str) -> dict[str, Any]:
@@ -229,9 +308,18 @@ def main() -> int:
     window = sub.add_parser("cordoned")
     window.add_argument("--log", required=True)
     window.add_argument("--after", type=float, default=0.0)
+    applying = sub.add_parser("apply")
+    applying.add_argument("--kubeconfig", required=True, help="where serve wrote it (the server's address)")
+    pods = sub.add_parser("pod")
+    pods.add_argument("name")
+    pods.add_argument("--delete", action="store_true")
     args = parser.parse_args()
     if args.command == "serve":
         return asyncio.run(serve(args))
+    if args.command == "apply":
+        return apply(args.kubeconfig)
+    if args.command == "pod":
+        return pod(args)
     return cordoned(args) if args.command == "cordoned" else state(args)
 
 

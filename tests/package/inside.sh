@@ -340,20 +340,32 @@ check "kubelet restart is followed by re-registration" kubelet_restart
 # ---- switch-mode: to DRA mode and back -------------------------------------------------------------
 # The node's control plane as a unit of its own (control_plane.py): the API server with this node's Node
 # (kubelet's kubeconfig at the [dra] default path), kubelet's DRA plugin watcher on /var/lib/kubelet,
-# and kubelet's node-status update, every second, from the fake kubelet's log. The operator's one-time
-# edit is the [dra] table (docs/switching.md); the installed command then moves the node to DRA mode
-# and back under this systemd, and the conffile, the unit and the Node end as they were.
+# and kubelet's node-status update, every second, from the fake kubelet's log. The administrator's
+# one-time apply is what `dra-manifests --kubelet-credentials` prints; the operator's one-time edit is the
+# [dra] table (docs/switching.md). The installed command then moves the node to DRA mode with the
+# daemon stopped (the command starts it before it cordons), again (nothing to do), back while a DRA pod
+# is left (the drop-in kept, doctor says why), and once that pod is gone removes the drop-in (a restart
+# in device-plugin mode, under its own cordon); the conffile, the unit and the Node end as they were.
 node_name=pkgtest-node
 kubeconfig=/etc/kubernetes/kubelet.conf
 driver=kvm.ate.dev
 cplog=/run/control-plane.jsonl
 dropin_dir=/etc/systemd/system/$unit.d
 dropin=$dropin_dir/dra-mode.conf
-switch_records=LOGGER=ate_devplugd.commands.switch  # switch-mode's journal records (see wait_event.py)
+switch_records=LOGGER=ate_devplugd.commands.switch_move  # switch-mode's journal records (see wait_event.py)
 switch_timeout=60
 control_plane=(env PYTHONPATH="$pythonpath" python3 "$share/control_plane.py")
 cp_event() { "${wait_event[@]}" log "$cplog" "$@"; }
 cp_state() { "${control_plane[@]}" state --node "$node_name" --kubeconfig "$kubeconfig" --driver "$driver"; }
+cp_pod() { "${control_plane[@]}" pod "$@"; }
+doctor_switch() {  # doctor_switch LEVEL TEXT: doctor's switch-mode line has LEVEL and TEXT in its message
+    { ate-devplugd doctor --json || true; } | python3 -c '
+import json, sys
+(line,) = [c for c in json.load(sys.stdin)["checks"] if c["check"] == "switch-mode"]
+print(line["level"], line["message"], "--", line["remedy"], file=sys.stderr)
+assert line["level"] == sys.argv[1] and sys.argv[2] in line["message"], line
+' "$1" "$2"
+}
 units=$(sed -n 's/^count = \([0-9]*\)$/\1/p' "$conf")
 # switch_events CURSOR: switch-mode's ATE_EVENTs after CURSOR, in order, on one line.
 switch_events() {
@@ -416,9 +428,12 @@ start_control_plane() {
         python3 "$share/control_plane.py" serve --node "$node_name" --kubeconfig "$kubeconfig" \
         --kubelet-dir /var/lib/kubelet --kubelet-log "$klog" --log "$cplog" &&
         cp_event --timeout 30 listening >/dev/null &&
-        cp_event --timeout 10 node-status >/dev/null
+        cp_event --timeout 10 node-status >/dev/null &&
+        ate-devplugd dra-manifests --kubelet-credentials | "${control_plane[@]}" apply --kubeconfig "$kubeconfig" >&2
 }
 
+# The move to DRA with the daemon stopped: the command starts it (and waits for kubelet to hold it)
+# before it cordons, then trusts only the new daemon's record and the Node read after it.
 to_dra() {
     local pid c t rc=0 state
     cp -a "$conf" /run/config.toml.before-dra
@@ -427,8 +442,11 @@ to_dra() {
     ate-devplugd check-config >/dev/null || { say "check-config refused the [dra] table"; return 1; }
     sha256sum <"$conf" >/run/config.sha256
     cp -a "$conf" /run/config.toml.with-dra
+    systemctl stop "$unit" || return 1
     pid=$(prop MainPID); c=$(cursor); t=$(now)
     move dra || rc=1
+    grep -q "1/6 $unit started (no daemon served the config)" /run/switch.out ||
+        { say "switch-mode did not start the stopped daemon first"; rc=1; }
     cordon_figure dra "$t" || rc=1
     mode_line_only /run/config.toml.with-dra "$conf" dra ||
         { say "the conffile changed beyond its mode line"; rc=1; }
@@ -447,7 +465,7 @@ to_dra() {
     { grep -qx 'allocatable ate.dev/kvm 0' <<<"$state" && grep -qE '^slice [^ ]+ [1-9][0-9]*$' <<<"$state"; } ||
         { say "the Node does not show the DRA path"; rc=1; }
     uncordoned || { say "the Node is still cordoned"; rc=1; }
-    expect_events "$c" switch-cordon switch-settled switch-applied switch-path switch-done || rc=1
+    expect_events "$c" switch-checked switch-cordon switch-settled switch-applied switch-path switch-done || rc=1
     return "$rc"
 }
 
@@ -465,16 +483,19 @@ dra_again() {
     return "$rc"
 }
 
+# Back to device-plugin mode while a DRA pod is left on the node: the drop-in is kept (the unprepare-only
+# driver needs it), and doctor says why.
 to_device_plugin() {
     local pid c t rc=0 state
+    cp_pod vm-dra || return 1
     pid=$(prop MainPID); c=$(cursor); t=$(now)
     move device-plugin || rc=1
     cordon_figure device-plugin "$t" || rc=1
     mode_line_only /run/config.toml.dra "$conf" device-plugin ||
         { say "the conffile changed beyond its mode line"; rc=1; }
-    { [ ! -e "$dropin" ] && [ ! -L "$dropin" ]; } || { say "$dropin left"; rc=1; }
+    grep -q "drop-in kept while 1 DRA pod(s) are left" /run/switch.out || { say "the drop-in not said kept"; rc=1; }
+    [ -L "$dropin" ] || { say "$dropin not kept for the DRA pod left"; rc=1; }
     { wait_for 30 is_running && [ "$(prop MainPID)" != "$pid" ]; } || { say "not restarted, or not running"; rc=1; }
-    ! prop DropInPaths | tr ' ' '\n' | grep -qx "$dropin" || { say "DropInPaths: $(prop DropInPaths)"; rc=1; }
     cp_event --after "$t" --timeout 30 node unschedulable=True >/dev/null ||
         { say "the Node was not cordoned"; rc=1; }
     kubelet_event --after "$t" --timeout 30 list resource=ate.dev/kvm healthy="$units" total="$units" >/dev/null ||
@@ -485,8 +506,31 @@ to_device_plugin() {
     { grep -qx "allocatable ate.dev/kvm $units" <<<"$state" && grep -qx 'slices 0' <<<"$state"; } ||
         { say "the Node does not show the device-plugin path"; rc=1; }
     uncordoned || { say "the Node is still cordoned"; rc=1; }
-    expect_events "$c" switch-cordon switch-settled switch-applied switch-slice-deleted switch-path switch-done ||
+    expect_events "$c" switch-checked switch-cordon switch-settled switch-applied switch-slice-deleted switch-path \
+        switch-done || rc=1
+    doctor_switch OK "is kept while 1 DRA pod(s) are left" || rc=1
+    return "$rc"
+}
+
+# The DRA pod gone: doctor WARNs of the kept drop-in, and the next run removes it (a restart in
+# device-plugin mode: the check, its own cordon, kubelet's word and the Node, the uncordon).
+dropin_removed() {
+    local pid c t rc=0
+    cp_pod vm-dra --delete || return 1
+    doctor_switch WARN "is kept, but no DRA pod is left" || rc=1
+    pid=$(prop MainPID); c=$(cursor); t=$(now)
+    move device-plugin || rc=1
+    cordon_figure device-plugin "$t" || rc=1
+    grep -q "drop-in $dropin removed" /run/switch.out || { say "the drop-in not said removed"; rc=1; }
+    { [ ! -e "$dropin" ] && [ ! -L "$dropin" ]; } || { say "$dropin left"; rc=1; }
+    { wait_for 30 is_running && [ "$(prop MainPID)" != "$pid" ]; } || { say "not restarted, or not running"; rc=1; }
+    ! prop DropInPaths | tr ' ' '\n' | grep -qx "$dropin" || { say "DropInPaths: $(prop DropInPaths)"; rc=1; }
+    expect_prop NeedDaemonReload no || rc=1
+    kubelet_event --after "$t" --timeout 30 list resource=ate.dev/kvm healthy="$units" total="$units" >/dev/null ||
         rc=1
+    uncordoned || { say "the Node is still cordoned"; rc=1; }
+    expect_events "$c" switch-checked switch-cordon switch-settled switch-applied switch-path switch-done || rc=1
+    doctor_switch OK "no move under way" || rc=1
     return "$rc"
 }
 
@@ -521,11 +565,13 @@ without_dra() {  # the conffile as the later checks expect it, and no drop-in, w
 if [ "$kvm_ok" = 1 ]; then
     must "fake control plane serving (API server, DRA plugin watcher, node-status update)" start_control_plane
     must "the node's runtime answering, CDI on" cdi_runtime
-    check "switch-mode dra: mode line written, drop-in linked, restarted with it, DRA driver registered and its slice published, uncordoned" \
+    check "switch-mode dra, the daemon stopped: started before the cordon; mode line written, drop-in linked, restarted with it, DRA driver registered and its slice published, uncordoned" \
         to_dra
     check "switch-mode dra again: nothing to do (switch-done), no restart, no cordon" dra_again
-    check "switch-mode device-plugin: mode line back, drop-in removed, restarted without it, $units units registered, no slice, uncordoned" \
+    check "switch-mode device-plugin, a DRA pod left: mode line back, drop-in kept (doctor says why), $units units registered, no slice, uncordoned" \
         to_device_plugin
+    check "switch-mode device-plugin once the DRA pod is gone (doctor WARNs before): drop-in removed, restarted without it, uncordoned" \
+        dropin_removed
     check "switch-mode there and back: the conffile as it was (sha256), no drop-in, no annotation, no daemon-reload pending" \
         nothing_left
     must "the [dra] table removed again: restarted and registered" without_dra

@@ -107,10 +107,11 @@ async def test_doctor_says_a_node_is_half_way() -> None:
     from ate_devplugd.commands.findings import Level
 
     file = parse('mode = "dra"\n')
-    (found,) = await doctor_switch.findings(Found(file, (), running_in("device-plugin")), 1.0)
+    nowhere = "/nonexistent/ate-devplugd.service.d"
+    (found,) = await doctor_switch.findings(Found(file, (), running_in("device-plugin")), 1.0, nowhere)
     assert found.level is Level.WARN and "half-way" in found.message
     assert "finish with `ate-devplugd switch-mode dra`" in found.remedy
     assert "go back with `ate-devplugd switch-mode device-plugin`" in found.remedy
-    (found,) = await doctor_switch.findings(Found(file, (), running_in("dra")), 1.0)
+    (found,) = await doctor_switch.findings(Found(file, (), running_in("dra")), 1.0, nowhere)
     assert found.level is Level.OK
-    assert await doctor_switch.findings(Found(parse(""), (), None), 1.0) == []
+    assert await doctor_switch.findings(Found(parse(""), (), None), 1.0, nowhere) == []

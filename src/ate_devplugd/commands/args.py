@@ -55,8 +55,10 @@ examples:
 exit status: 0 ok; 78 bad config (EX_CONFIG); 73 another instance serves the same sockets;
              77 not root: cannot create or write a directory it needs (EX_NOPERM);
              71 another system error at start (EX_OSERR), named;
-             1 probe found a socket that does not answer, doctor found a FAIL, or the daemon
-               refused or failed a reload (or there is none to ask); 2 bad usage.
+             1 probe found a socket that does not answer, doctor found a FAIL, the daemon
+               refused or failed a reload (or there is none to ask), or switch-mode did not finish
+               (it says where the node stands); 130/143 switch-mode interrupted by SIGINT/SIGTERM
+               (the cordon stays); 2 bad usage.
 default config: {DEFAULT_CONFIG_PATH} (built-in defaults when it does not exist)
 """
 )
@@ -204,7 +206,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         which.add_argument(
             "--kubelet-credentials",
             action="store_true",
-            help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses only, no RBAC or policy",
+            help="the daemon uses kubelet's own kubeconfig: print the DeviceClasses and a read-only role that lets "
+            "nodes read them (for switch-mode and doctor), no other RBAC or policy",
         )
         which.add_argument(
             "--stage",

@@ -5,7 +5,11 @@
 - only for credentials that are not kubelet's own: a ClusterRole and its binding for the driver's
   service account (what the driver calls, and a read of DeviceClasses for ``doctor``), and a
   ValidatingAdmissionPolicy that lets such a credential write only the ResourceSlices of the node its
-  token is bound to (node-bound service-account tokens).
+  token is bound to (node-bound service-account tokens);
+- only for kubelet's own: a read-only ClusterRole on DeviceClasses bound to the group ``system:nodes``
+  (``node_read_objects``), so that ``switch-mode`` and ``doctor`` read each class back with kubelet's
+  credentials (no rule of the Node authorizer and no default binding lets a node read them; they hold no
+  secret, and every scheduler reads them).
 
 - on request (``refuse_multi``), for clusters whose every node serving the resources has the shared
   layout: a ValidatingAdmissionPolicy that refuses a pod whose container (or init container) asks for
@@ -153,6 +157,31 @@ def access_objects(config: DraConfig, service_account: tuple[str, str] = SERVICE
     ]
 
 
+def node_read_name(config: DraConfig) -> str:
+    """The ClusterRole, and its binding, that let nodes read DeviceClasses."""
+    return f"ate-devplugd.{config.driver}.deviceclass-reader"
+
+
+def node_read_objects(config: DraConfig) -> list[dict[str, Any]]:
+    """Get and list on DeviceClasses for every node's credentials (``system:nodes``), nothing else."""
+    name = node_read_name(config)
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": name},
+            "rules": [{"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["get", "list"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:nodes"}],
+        },
+    ]
+
+
 def refuse_multi_name(config: DraConfig) -> str:
     """The name of the pod policy of ``refuse_multi`` and its binding (DNS subdomains)."""
     return f"ate-devplugd-one-each.{config.driver}"
@@ -250,6 +279,12 @@ def render(
             "# token to its own node's ResourceSlices, then the RBAC for the driver's service account.\n"
         )
         text += yaml.safe_dump_all(access, sort_keys=False, explicit_start=True, width=4096)
+    else:
+        text += (
+            "# kubelet's credentials may not read DeviceClasses: this read-only role lets every node read them,\n"
+            "# so that switch-mode and doctor check each one back on the node.\n"
+        )
+        text += yaml.safe_dump_all(node_read_objects(config), sort_keys=False, explicit_start=True, width=4096)
     return text
 
 

@@ -6,8 +6,9 @@ another process serves. It finds the daemon (by that pid, else as the daemon tha
 given: ``commands.instance``), watches its record on the instance lock, sends SIGHUP, and waits for the
 daemon's verdict on this reload in the record: nothing printed and True when it was applied; the first
 error on stderr and False when it was refused or failed, when the daemon ends first, or when no verdict
-comes in time. When stderr is the journal (``ExecReload=``), where the daemon wrote each error already, the
-line says only that the reload was refused, not the error again.
+comes in time. When stderr is the journal (``ExecReload=``), where the daemon wrote each error already,
+the line says only that the reload was refused, not the error again. A refusal of a new ``mode`` also
+names ``switch-mode``, which applies it (a plain restart loses the pods arriving meanwhile).
 
 A daemon of another version than this program (the package was upgraded under it), or ``--handover``:
 the daemon hands its node over to a new process of the program on disk instead (``commands.handover``), and
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Mapping
@@ -41,6 +43,8 @@ from ate_devplugd.reload.result import Outcome, Result
 
 #: A handover's successor imports and loads its config first: seconds on a loaded node.
 HANDOVER_TIMEOUT = 90.0
+#: A refusal that names a new mode (``config.restart_only_change``'s words).
+_NEW_MODE = re.compile(r"\bmode = '(dra|device-plugin)' \(running: ")
 
 
 class _Ended(Exception):
@@ -102,7 +106,7 @@ def _handed_over(running: instance.Running, timeout: float) -> bool:
     return True
 
 
-def _verdict(running: instance.Running, timeout: float) -> bool:  # noqa: PLR0911 - one return per outcome
+def _verdict(running: instance.Running, timeout: float) -> bool:
     """Reload ``running`` and tell its verdict."""
     try:
         result = asyncio.run(_reload(running.name, timeout))
@@ -116,8 +120,16 @@ def _verdict(running: instance.Running, timeout: float) -> bool:  # noqa: PLR091
         return _fail(f"the daemon (pid {running.pid}) did not say how the reload went within {timeout:g} s")
     if result.outcome is not Outcome.APPLIED:
         if stderr_is_journal():  # ExecReload=: the daemon's own lines, each error once, are there already
-            return _fail(f"reload {result.generation} {result.outcome.value}: the daemon's errors above say why")
-        return _fail(result.error or f"the reload was {result.outcome.value}")
+            _fail(f"reload {result.generation} {result.outcome.value}: the daemon's errors above say why")
+        else:
+            _fail(result.error or f"the reload was {result.outcome.value}")
+        moved = _NEW_MODE.search(result.error)
+        if moved is not None:  # the remedy for a mode difference is switch-mode's, never a restart
+            _fail(
+                f"a new mode is applied by `ate-devplugd switch-mode {moved[1]}` (it cordons the node for the "
+                "restart, so no arriving pod is lost), not by a reload or a plain restart"
+            )
+        return False
     return True
 
 

@@ -1,5 +1,5 @@
 """The host's side of ``switch-mode``: the config's top-level ``mode`` and the unit's DRA drop-in (and the
-name of its cordon's annotation, which ``doctor`` reads too).
+names of its annotations on the Node, the cordon's and the move's target, which ``doctor`` reads too).
 
 The config file is changed in its ``mode`` line only (added, marked, before the first table when it has
 none; that line removed again on the way back), so every other byte stays as the operator wrote it; the
@@ -25,6 +25,9 @@ from ate_devplugd.config import Config
 #: On the Node while the cordon is ``switch-mode``'s: only a cordon with it is lifted by it (``doctor`` reads it).
 CORDON_ANNOTATION = "ate.dev/cordoned-by"
 CORDON_VALUE = "switch-mode"
+#: On the Node from a move's start to its end: the mode it moves to, so that a move interrupted before the
+#: config changed still reads as the move it is (``doctor``: which way finishes it, which goes back).
+TARGET_ANNOTATION = "ate.dev/switch-mode-target"
 DROPIN_DIR = "/etc/systemd/system/ate-devplugd.service.d"
 DROPIN_SOURCE = "/usr/share/ate-devplugd/dra-mode.conf"
 DROPIN_NAME = "dra-mode.conf"
@@ -68,6 +71,8 @@ class Host:
     files: HostFiles = field(default_factory=HostFiles)
     systemctl: Callable[..., Awaitable[None]] = field(default=lambda *a: run_systemctl("systemctl", *a))
     say: Callable[[str], None] = print
+    #: Where kubelet's process is looked for (its feature gates: ``commands.gates``).
+    proc_root: str = "/proc"
 
 
 def with_mode(text: str, mode: str) -> str:

@@ -1,5 +1,7 @@
 """``switch-mode``'s waits on the API server: until what it lists is right, listed again on each event of a
-watch of the same objects (no polling), for at most a timeout.
+watch of the same objects (no polling), for at most a timeout. An API server that does not answer is
+waited for within the same timeout (its list tried again after a back-off, said once): a move outlives
+a restart of the API server, and one that stays away ends the wait as any other reason would.
 """
 
 from __future__ import annotations
@@ -48,8 +50,19 @@ async def until(
     try:
         while True:
             changed.clear()
-            items = (await api.request("GET", path, params={"fieldSelector": selector})).get("items") or []
-            why, now = wrong(items), loop.time()
+            try:
+                items = (await api.request("GET", path, params={"fieldSelector": selector})).get("items") or []
+                why, now = wrong(items), loop.time()
+            except ApiUnavailable as exc:
+                why, now = "the API server does not answer", loop.time()
+                good_since = None
+                if why != said:
+                    wait.waiting(f"{why} ({exc})")
+                    said = why
+                if now >= deadline:
+                    raise SwitchFailed(f"{wait.what}: not within {wait.timeout:g} s: {why} ({exc})") from None
+                await asyncio.sleep(min(REWATCH, deadline - now))  # the back-off before it is asked again
+                continue
             if why is None:
                 good_since = now if good_since is None else good_since
                 if now - good_since >= wait.hold:

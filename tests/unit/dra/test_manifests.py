@@ -23,9 +23,12 @@ class TestRender:
     def test_device_class_per_resource(self) -> None:
         """Each resource gets a DeviceClass selecting the driver's devices of that resource, mapped to its name."""
         objs = docs(manifests.render(CONFIG, ["ate.dev/kvm", "ate.dev/vhost-net"], with_access=False))
+        reader = "ate-devplugd.kvm.ate.dev.deviceclass-reader"
         assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [  # type: ignore[index]
             ("DeviceClass", "kvm.ate.dev"),
             ("DeviceClass", "vhost-net.ate.dev"),
+            ("ClusterRole", reader),
+            ("ClusterRoleBinding", reader),
         ]
         spec = objs[0]["spec"]
         assert spec == {  # type: ignore[comparison-overlap]

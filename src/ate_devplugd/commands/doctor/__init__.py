@@ -38,6 +38,7 @@ from ate_devplugd.commands.doctor import kubelet as doctor_kubelet
 from ate_devplugd.commands.doctor import runtime as doctor_runtime
 from ate_devplugd.commands.doctor import switch as doctor_switch
 from ate_devplugd.commands.findings import Finding, fail, ok, warn
+from ate_devplugd.commands.switch_files import DROPIN_DIR
 from ate_devplugd.config import Config
 from ate_devplugd.config.device import DeviceConfig
 from ate_devplugd.cri import ask as runtime_ask
@@ -66,8 +67,10 @@ class Node:
     mountinfo: str = MOUNTINFO
     #: The daemon's metrics file is read for what only the daemon knows (registration).
     read_metrics: Callable[[str], str] = field(default=lambda path: Path(path).read_text(encoding="utf-8"))
-    #: Where the running kubelet is looked for (its runtime endpoint).
+    #: Where the running kubelet is looked for (its runtime endpoint, its feature gates).
     proc_root: str = "/proc"
+    #: The unit's drop-in directory (``switch-mode``'s DRA drop-in is looked for there).
+    dropin_dir: str = DROPIN_DIR
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -99,9 +102,11 @@ async def examine(config_path: str | os.PathLike[str] | None, node: Node) -> lis
     for dev in cfg.devices:
         findings += device_findings(cfg, dev, node.kernel, report, problems)
     findings += await doctor_daemon.findings(cfg, found, node.read_metrics, TIMEOUT)
-    findings += await doctor_kubelet.findings(cfg, node.find_kubelet or doctor_kubelet.find_kubelet, node.mountinfo)
+    findings += await doctor_kubelet.findings(
+        cfg, node.find_kubelet or doctor_kubelet.find_kubelet, node.mountinfo, node.proc_root
+    )
     findings += doctor_runtime.findings(cfg, report, endpoint, withheld(found))
-    findings += await doctor_switch.findings(found, TIMEOUT)
+    findings += await doctor_switch.findings(found, TIMEOUT, node.dropin_dir)
     if cfg.mode == "dra" and cfg.dra is not None:
         from ate_devplugd.commands.doctor import dra as dra_doctor  # noqa: PLC0415 - aiohttp only in DRA mode
 

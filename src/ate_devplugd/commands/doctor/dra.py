@@ -2,12 +2,14 @@
 
 With the daemon's own credentials (the ``[dra]`` kubeconfig): the API server answers; each resource has
 a DeviceClass whose ``extendedResourceName`` is the resource (what lets a pod's ``ate.dev/kvm: 1`` become
-a claim); this node's slice of each resource is published, with devices in it. Whether kubelet holds the
+a claim; a class of ours stored without it is the API server's DRAExtendedResource gate off, named as
+such); this node's slice of each resource is published, with devices in it. Whether kubelet holds the
 driver's registration is the daemon's to say (its metrics, read by ``commands.doctor.daemon.registration_finding``).
 
 kubelet's own credentials may not read DeviceClasses (neither the Node authorizer nor any default RBAC
-binding grants a node that); the service account of ``dra-manifests`` may. With kubelet's, the
-DeviceClass check is one WARN that says so and gives the command an administrator runs instead.
+binding grants a node that) until the read-only role of ``dra-manifests --kubelet-credentials`` is
+applied; the service account of ``dra-manifests`` may. Where they may not, the DeviceClass check is one
+WARN that says so and gives the command an administrator runs instead.
 
 The layout the slices should have (``layout.decide``: ``sharing`` as set, or what the API server's
 answer to a dry-run create allows) is said, and a published slice of the other layout is a WARN: a
@@ -24,10 +26,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ate_devplugd.commands import gates
 from ate_devplugd.commands.findings import Finding, fail, ok, warn
+from ate_devplugd.commands.gates import Mapping
 from ate_devplugd.config import Config, pools
 from ate_devplugd.config.dra import DraConfig, Layout
-from ate_devplugd.config.pools import pool_name
+from ate_devplugd.config.pools import class_name, pool_name
 from ate_devplugd.dra import kubeconfig, layout
 from ate_devplugd.dra.apiclient import SLICES, ApiClient, ApiError, ApiErrorKind, ApiUnavailable
 
@@ -131,21 +135,24 @@ def _classes_refused(exc: ApiError) -> Finding:
     return warn(
         "deviceclass",
         "these credentials may not list DeviceClasses, so no resource's DeviceClass is checked here "
-        "(kubelet's own never may; the service account that dra-manifests sets up may): " + exc.message,
-        remedy,
+        "(kubelet's own may once the read-only role of dra-manifests --kubelet-credentials is applied; the "
+        "service account that dra-manifests sets up may): " + exc.message,
+        f"{remedy}; or let nodes read them: {APPLY}",
     )
 
 
 def _device_class(classes: dict[str, Any], resource: str, dra: DraConfig) -> Finding:
+    """The stored classes as ``switch-mode`` reads them back (``commands.gates.mapping``): mapped; named
+    by a class of another driver; or not mapped, where a class of ours stored without the field is the API
+    server's DRAExtendedResource gate, not a missing manifest."""
     check = f"deviceclass {resource}"
-    for item in classes.get("items") or []:
-        spec = item.get("spec", {})
-        if spec.get("extendedResourceName") == resource:
-            name = item.get("metadata", {}).get("name", "?")
-            selects = any(dra.driver in str(sel) for sel in spec.get("selectors") or [])
-            if not selects:
-                return fail(check, f"{name} names {resource} but does not select driver {dra.driver}", APPLY)
-            return ok(check, f"{name} has extendedResourceName {resource}")
+    verdict = gates.mapping(classes, resource, dra.driver, class_name(resource))
+    if verdict.mapping is Mapping.MAPPED:
+        return ok(check, f"{verdict.name} has extendedResourceName {resource}")
+    if verdict.mapping is Mapping.OTHER_DRIVER:
+        return fail(check, f"{verdict.name} names {resource} but does not select driver {dra.driver}", APPLY)
+    if verdict.mapping is Mapping.DROPPED:
+        return fail(check, gates.dropped_line(verdict.name, resource), gates.DROPPED_REMEDY)
     return fail(check, f"no DeviceClass has extendedResourceName {resource}", APPLY)
 
 

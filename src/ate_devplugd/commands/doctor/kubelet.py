@@ -1,5 +1,6 @@
-"""``ate-devplugd doctor``: kubelet (its socket answering, its version against what the config asks) and
-the cgroup version the runtime grants devices under."""
+"""``ate-devplugd doctor``: kubelet (its socket answering, its version against what the config asks, and
+in DRA mode its feature gates as its command line and config file set them) and the cgroup version the
+runtime grants devices under."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from pathlib import Path
 
 from ate_devplugd.base.look import Look, look
 from ate_devplugd.base.unixsock import socket_answers
+from ate_devplugd.commands import gates
 from ate_devplugd.commands.findings import Finding, Level, fail, ok, warn
 from ate_devplugd.config import Config
+from ate_devplugd.config.dra import Layout
+from ate_devplugd.cri import ask as runtime_ask
 from ate_devplugd.cri import facts as runtime_facts
 from ate_devplugd.kubelet.watch import KUBELET_SOCKET
 
@@ -49,20 +53,11 @@ async def kubelet_version(binary: str | None) -> tuple[str, str] | None:
     return binary, m[0] if m else ""
 
 
-def kubelet_needs(cfg: Config, version: tuple[int, int, int]) -> tuple[Level, str]:  # noqa: PLR0911 - one per rule
-    """Whether a kubelet this old serves what the config asks (KEP-4009 for device plugins' CDI names;
-    DRAExtendedResource and DRAConsumableCapacity for DRA mode)."""
-    if cfg.mode == "dra":
-        sharing = cfg.dra.sharing if cfg.dra is not None else "units"
-        gates = "DRAExtendedResource" + (" and DRAConsumableCapacity" if sharing == "shared" else "")
-        if version < (1, 34, 0):
-            return Level.FAIL, "DRA mode needs 1.34 or later"
-        if version < (1, 36, 0):
-            return (
-                Level.WARN,
-                f"DRA mode on 1.34-1.35 needs the {gates} feature gate(s) on (apiserver, scheduler, kubelet)",
-            )
-        return Level.OK, "new enough for DRA mode"
+def kubelet_needs(cfg: Config, version: tuple[int, int, int]) -> tuple[Level, str]:
+    """Whether a kubelet this old serves what the config asks (KEP-4009 for device plugins' CDI names; DRA
+    mode from 1.34, where its feature gates decide: ``gates_finding``)."""
+    if cfg.mode == "dra":  # 1.34 and later: its gates say (``gates_finding``)
+        return (Level.FAIL, "DRA mode needs 1.34 or later") if version < (1, 34, 0) else (Level.OK, "DRA mode")
     if not any(dev.cdi for dev in cfg.devices):
         return Level.OK, "serves the device-plugin API v1beta1"
     if version < (1, 28, 0):
@@ -91,8 +86,34 @@ def cgroup_version(mountinfo: str) -> str:
     return "v1" if any(v == "cgroup" for v in kinds.values()) else "unknown"
 
 
-async def findings(cfg: Config, find: Callable[[], str | None], mountinfo: str) -> list[Finding]:
-    """kubelet's socket, its version against what the config asks, and the cgroup version."""
+def gates_finding(cfg: Config, text: str, version: tuple[int, int, int], proc_root: str) -> Finding:
+    """DRA mode on kubelet 1.34 or later: its feature gates as its command line and config file set them
+    (``commands.gates``, what ``switch-mode`` reads before a move), not guessed from the version."""
+    names = gates.needed(cfg.dra is not None and cfg.dra.sharing is Layout.SHARED)
+    process = runtime_ask.read_kubelet(proc_root)
+    found = (
+        [gates.default(name, version) for name in names]
+        if process is None
+        else gates.kubelet_gates(process, names, version)
+    )
+    said = "; ".join(str(gate) for gate in found)
+    seen = "" if process is not None else f" (no kubelet process in {proc_root}: its version's defaults)"
+    off = [gate for gate in found if gate.on is False]
+    if off:
+        return fail("kubelet version", f"{text}: DRA mode needs in kubelet: {said}{seen}", gates.turn_on(off, process))
+    if any(gate.on is None for gate in found):
+        return warn(
+            "kubelet version", f"{text}: cannot tell kubelet's gates for DRA mode: {said}", "run doctor as root"
+        )
+    control = "kube-apiserver's shows in the deviceclass lines; kube-scheduler's cannot be seen from a node"
+    return ok("kubelet version", f"{text}: DRA mode: {said}{seen}; {control}")
+
+
+async def findings(
+    cfg: Config, find: Callable[[], str | None], mountinfo: str, proc_root: str = "/proc"
+) -> list[Finding]:
+    """kubelet's socket, its version against what the config asks (its gates, for DRA mode), and the
+    cgroup version."""
     out = []
     sock = posixpath.join(cfg.plugin_dir, KUBELET_SOCKET)
     seen = look(sock)
@@ -112,6 +133,8 @@ async def findings(cfg: Config, find: Callable[[], str | None], mountinfo: str) 
         out.append(warn("kubelet version", "no kubelet binary on this node: version not checked"))
     elif parsed is None:
         out.append(warn("kubelet version", f"{found[0]} --version gave no version"))
+    elif cfg.mode == "dra" and parsed >= gates.FIRST:
+        out.append(gates_finding(cfg, found[1], parsed, proc_root))
     else:
         level, why = kubelet_needs(cfg, parsed)
         remedy = "upgrade kubelet" if level is not Level.OK else ""
