@@ -13,6 +13,7 @@ import pytest
 
 from ate_devplugd._pb.podresources.v1 import api_pb2_grpc as pr_grpc
 from ate_devplugd.base.inotify import DirEvent
+from ate_devplugd.deviceplugin.offer import Offer, Verdict
 from ate_devplugd.kubelet import word as wordmod
 from ate_devplugd.kubelet.word import COALESCE_CAP, SETTLE, KubeletWord, Word
 from tests.fakes.kubelet import FakeKubelet
@@ -96,6 +97,41 @@ async def test_a_question_owed_later(plugin_dir: Path) -> None:
         began = loop.time()
         word.hint(0.6)
         assert (await answers.next()).asked_at - began >= 0.6 * 0.98
+    finally:
+        word.close()
+        await kubelet.stop()
+
+
+@pytest.mark.parametrize("gap_ms", [0.5, 2.0, 4.5, 6.0])
+async def test_a_change_just_after_another_is_answered(plugin_dir: Path, gap_ms: float) -> None:
+    """A Register, then a stream opened or a list sent some milliseconds later (two hints, two changes): the
+    question the second hint owes may go out up to EARLY before it is due, and its word must then count for
+    that change, or the session would wait for a word that no hint is left to ask for (registered 0 for
+    good, kubelet offering our units)."""
+    kubelet = FakeKubelet(plugin_dir)
+    await kubelet.start()
+    word = KubeletWord(str(plugin_dir))
+    loop = asyncio.get_running_loop()
+    offer = Offer()
+    verdict = asyncio.Event()
+
+    def heard(told: Word) -> None:
+        if offer.judge(told, "ate.dev/kvm", 4, lambda _: True, loop.time()) is not Verdict.PENDING:
+            verdict.set()
+
+    def changed() -> None:
+        offer.changed(loop.time())
+        word.hint()
+
+    word.subscribe(heard)
+    try:
+        offer.registered(loop.time(), None)
+        word.hint()
+        loop.call_later(gap_ms / 1000, changed)
+        async with asyncio.timeout(SETTLE + COALESCE_CAP + 2.0):
+            await verdict.wait()
+        assert offer.verdict is Verdict.NOT_HELD  # the fake kubelet offers nothing of the name
+        assert word.asked <= 2
     finally:
         word.close()
         await kubelet.stop()

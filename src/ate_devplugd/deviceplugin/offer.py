@@ -2,8 +2,8 @@
 session's own last change (no I/O, so any order of words and changes can be tested alone).
 
 A word counts only if it was asked ``SETTLE`` or more after the session's latest change (its Register, a
-stream opened or ended, a device list sent): kubelet takes that long at most to act on it, and a word
-older than the change says nothing of it. Then:
+stream opened or ended, a device list sent; ``Word.told_after``, whose tolerance is the asking's own):
+kubelet takes that long at most to act on it, and a word older than the change says nothing of it. Then:
 
 - a session serving Healthy units is *held* when kubelet's pod-resources API offers every one of them, and
   *not held* when it offers fewer (only the session's own IDs count: units another plugin offers under the
@@ -34,7 +34,7 @@ import enum
 from collections.abc import Callable
 
 from ate_devplugd.base.unixsock import FileIdentity
-from ate_devplugd.kubelet.word import SETTLE, Word
+from ate_devplugd.kubelet.word import Word
 
 
 class Verdict(enum.Enum):
@@ -89,7 +89,7 @@ class Offer:
         """Take ``word`` (``served``: our Healthy units on the stream now; ``ours``: whether an ID is ours)."""
         if self.withheld:  # a socket's coming and going counts whenever it is told
             self.suspect = self.suspect or any(arrived > self._registered_at for arrived in word.departed)
-        if word.asked_at < self._changed_at + SETTLE:
+        if not word.told_after(self._changed_at):
             return self.verdict
         if self.withheld:
             return self._judge_withheld(word, name, now)
@@ -116,7 +116,7 @@ class Offer:
 
     def overdue(self, word: Word, wait: float) -> bool:
         """Whether a not-held ``word`` came ``wait`` or more after our change: a drop to heal now."""
-        return self.verdict is Verdict.NOT_HELD and word.asked_at - self._changed_at >= wait
+        return self.verdict is Verdict.NOT_HELD and word.told_after(self._changed_at, wait)
 
     def look_again_in(self, now: float, wait: float) -> float:
         """How long until a not-held word would be a drop (when kubelet is to be asked again)."""

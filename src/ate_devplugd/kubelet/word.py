@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 SETTLE = 0.25
 #: A burst of hints is asked about no later than this after its first.
 COALESCE_CAP = 1.0
-#: The loop may run a timer this much early (its clock's resolution): a question that early is on time.
-_EARLY = 0.005
+#: A question asked this much before it was owed is asked on time: it is then not asked again, and its
+#: word counts for the change that owed it (``Word.told_after``). Both rules must use the same figure, or
+#: a change hinted just after another would be owed a question that is never asked.
+EARLY = 0.005
 #: How long one question may take.
 ASK_TIMEOUT = 5.0
 #: A failed question is asked again this long after it, doubling, this many times (0.25 s ... 4 s: about
@@ -56,6 +58,11 @@ class Word(NamedTuple):
     offered: podresources.Allocatable | None
     recorded: dp_state.Recorded | None
     departed: tuple[float, ...] = ()
+
+    def told_after(self, changed_at: float, wait: float = SETTLE) -> bool:
+        """Whether this word was asked ``wait`` or more after a change at ``changed_at``: the question a hint
+        owes is asked up to ``EARLY`` before it is due, and counts as on time."""
+        return self.asked_at >= changed_at + wait - EARLY
 
 
 class KubeletWord:
@@ -143,7 +150,7 @@ class KubeletWord:
         due = self._due()
         if due is None:
             return
-        if due > loop.time() + _EARLY:  # the burst's later hints: wait for them
+        if due > loop.time() + EARLY:  # the burst's later hints: wait for them
             self._timer = loop.call_at(due, self._fire)
             return
         self._task = loop.create_task(self._ask(), name="kubelet's word")
@@ -154,7 +161,7 @@ class KubeletWord:
         if self._settle is not None:  # asked at the burst's cap: its last hint is owed a later question
             self._later.append(self._settle)
         self._settle = self._burst = None
-        self._later = [at for at in self._later if at > asked_at + _EARLY]
+        self._later = [at for at in self._later if at > asked_at + EARLY]
         self.asked += 1
         departed, self._departed = tuple(self._departed), []
         offered = await self._allocatable() if self._api else None
