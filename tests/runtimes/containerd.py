@@ -645,8 +645,23 @@ class Containerd:
         raise ContainerdError(f"containerd {self.build.version} {cause}: {self.log_tail()}")
 
     async def _wait_ready(self) -> None:
+        """The socket, then CRI's Version answered. containerd serves its socket before its CRI service has
+        initialized and answers "server is not initialized yet" (2.x: UNAVAILABLE) until it has; no event
+        marks that moment, so such an answer is asked again after a short, doubling wait (as the daemon
+        does), within the start's timeout."""
         await wait_for_path(self.socket, timeout=START_TIMEOUT)
-        await self.client.version(wait_for_ready=True, timeout=START_TIMEOUT)
+        again = 0.02
+        async with asyncio.timeout(START_TIMEOUT):
+            while True:
+                try:
+                    await self.client.version(wait_for_ready=True, timeout=START_TIMEOUT)
+                except grpc.aio.AioRpcError as exc:
+                    if "not initialized" not in (exc.details() or ""):
+                        raise
+                else:
+                    return
+                await asyncio.sleep(again)
+                again = min(again * 2, 0.5)
 
     async def import_image(self, archive: Path) -> str:
         """``ctr -n k8s.io images import`` an archive, unpacked for the CRI's snapshotter; ctr's output."""
