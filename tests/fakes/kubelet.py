@@ -127,6 +127,8 @@ class Endpoint:
     options: api_pb2.DevicePluginOptions
     stream_task: asyncio.Task[None] | None = None
     latest: api_pb2.ListAndWatchResponse | None = None
+    #: Set once kubelet has taken the client's first device list.
+    listed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def streaming(self) -> bool:
@@ -197,6 +199,10 @@ class FakeKubelet:
         self.registered_devices: dict[str, list[str]] = {}
         self._stopping = False
         self.register_delay = 0.0
+        #: When Register's reply goes out: "at once" (once the client's ListAndWatch is started), or "after
+        #: its list" (once kubelet took the client's first list and wrote its checkpoint). kubelet leaves
+        #: this open: the client's goroutine runs beside the reply.
+        self.register_reply = "at once"
         self.reject_register: str | None = None
         #: Called when a Register arrives, before anything else (a test's look at that moment).
         self.on_register: Any = None
@@ -389,7 +395,15 @@ class FakeKubelet:
             task = loop.create_task(self.cut(old))  # 1.32: the older client's stream ends
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        await self._reply_when(endpoint)
         return api_pb2.Empty()
+
+    async def _reply_when(self, endpoint: Endpoint) -> None:
+        """Hold Register's reply as ``register_reply`` says."""
+        if self.register_reply == "after its list":
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DIAL_TIMEOUT):
+                    await endpoint.listed.wait()
 
     async def _list_and_watch(self, endpoint: Endpoint) -> None:
         await asyncio.sleep(0)
@@ -404,6 +418,7 @@ class FakeKubelet:
         try:
             async for response in call:
                 self._record(self._list_event(endpoint, response))
+                endpoint.listed.set()
         except grpc.aio.AioRpcError as exc:
             self._record(Event("stream-ended", endpoint.resource, error=exc.code().name))
         except asyncio.CancelledError:

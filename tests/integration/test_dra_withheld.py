@@ -116,3 +116,33 @@ async def test_withheld_path_taken_three_times_in_one_kubelet_life(
                 assert WITHHELD + ", registered" in node.running.daemon.status_line().split(" | ")
         finally:
             await kubelet.stop()
+
+
+async def test_a_heal_confirmed_when_kubelet_took_the_list_before_its_reply(
+    fake_root: Path, kernel: FakeKernel
+) -> None:
+    """kubelet's client runs beside its reply to Register: it may take the withheld path's list, and write its
+    checkpoint, before the reply reaches the daemon. That write is the heal's evidence all the same: STATUS
+    says registered again, not "asking kubelet what it offers" for good."""
+    async with dra_node(kernel, fake_root) as node:
+        kubelet = FakeKubelet(node.dir / "device-plugins", seed="withheld/reply")
+        await kubelet.start()
+        try:
+            await until(kubelet, lambda: withheld_current(kubelet))
+            await node.notify.wait_for(lambda f: WITHHELD + ", registered" in parts(f), timeout=LOADED_WAIT)
+            node.notify.forget()
+            kubelet.register_reply = "after its list"
+            other = OtherPlugin(kubelet.dir, RESOURCE, expected_ids(), socket_name="stray-1.sock")
+            try:
+                await other.start()
+                await until(kubelet, lambda: any(e.kind == "list" and e.healthy for e in kubelet.history[-3:]))
+                await node.notify.wait_for(
+                    lambda f: any(p.startswith(WITHHELD + ", registered, but") for p in parts(f)), timeout=LOADED_WAIT
+                )
+                await healed(node.running.events)
+            finally:
+                await other.go()
+            await node.notify.wait_for(lambda f: WITHHELD + ", registered" in parts(f), timeout=BOUND)
+            assert withheld_current(kubelet)
+        finally:
+            await kubelet.stop()

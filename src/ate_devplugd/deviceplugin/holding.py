@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from ate_devplugd.base.unixsock import FileIdentity
 from ate_devplugd.deviceplugin.drops import STEADY, Drops
 from ate_devplugd.deviceplugin.offer import Offer, Verdict
 from ate_devplugd.kubelet import dp_state
@@ -48,6 +49,8 @@ class Holding:
         self._sent = 0
         #: A word said kubelet does not offer the resource, past the wait: heal when the session wakes.
         self._taken = False
+        #: kubelet's checkpoint file as our latest Register went out (the withheld path's baseline).
+        self._checkpoint: FileIdentity | None = None
 
     @property
     def streams(self) -> int:
@@ -62,10 +65,15 @@ class Holding:
         return asyncio.get_running_loop().time()
 
     # -- what the session did ------------------------------------------------------------------------
+    def registering(self) -> None:
+        """A Register of ours goes out: the withheld path's evidence is a checkpoint written after this
+        moment. Not after the call returns: kubelet's client runs beside its reply, and may have taken our
+        list and written its checkpoint before the reply reaches us."""
+        self._checkpoint = dp_state.identity(self._watch.plugin_dir) if self._withheld else None
+
     def registered(self) -> None:
         """A Register of ours returned: kubelet's earlier word no longer counts."""
-        checkpoint = dp_state.identity(self._watch.plugin_dir) if self._withheld else None
-        self.offer.registered(self._now(), checkpoint, healed=self.drops.heals > 0)
+        self.offer.registered(self._now(), self._checkpoint, healed=self.drops.heals > 0)
         self._ask()
 
     def streams_changed(self, streams: int) -> None:

@@ -73,7 +73,7 @@ class Offer:
 
     def registered(self, now: float, checkpoint: FileIdentity | None, *, healed: bool = False) -> None:
         """A Register of ours returned (``healed``: after a drop); ``checkpoint``: kubelet's checkpoint file
-        then (the withheld path's evidence is a later write)."""
+        as the call went out (the withheld path's evidence is a later write)."""
         self._baseline, self.suspect, self._confirm = checkpoint, False, healed
         self._set(Verdict.PENDING, "", now)
         self._changed_at = self._registered_at = now

@@ -230,6 +230,7 @@ class Session:
                 continue
             self._set_state(SessionState.REGISTERING)
             self.first_attempt.set()
+            self._holding.registering()
             try:
                 await endpoint.register(
                     self._watch.kubelet_socket, self.resource.config.socket_name, self.name, endpoint.REGISTER_TIMEOUT
