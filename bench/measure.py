@@ -84,7 +84,7 @@ class Plan:
     dra_claims: int  # claims prepared and unprepared before DRA mode's RSS after load
     import_reps: int
     upgrades: int  # old daemon stopped, new one started, each beside the floor's
-    upgrade_losses: int  # upgrades (restarts and handovers) per rate and machine, pods arriving
+    upgrade_losses: int  # upgrades (restarts, handovers, guarded ones) per rate and machine, pods arriving
 
 
 FULL = Plan(
@@ -946,7 +946,7 @@ async def measure(plan: Plan) -> dict[str, object]:
             results["upgrade"], floors["upgrade"] = await upgrades(ws, plan.upgrades, notify, kubelet, floor_kubelet)
         finally:
             await floor_kubelet.stop()
-        progress(f"{plan.upgrade_losses} restarts and handovers per rate and machine, pods arriving")
+        progress(f"{plan.upgrade_losses} restarts, handovers and guarded ones per rate and machine, pods arriving")
         results["upgrade"]["lost"] = await upgrade.losses(ws.dir / "upgrade", ws.dev_root, plan.upgrade_losses)
 
         progress("one daemon under load")

@@ -219,16 +219,21 @@ def upgrade_rows(up: dict[str, Any] | None, floor: dict[str, Any] | None) -> lis
 
 
 def lost_rows(lost: dict[str, Any], floor: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """Per upgrade (a restart as systemd makes it, or a handover), pods arriving at a rate through kubelet's
-    admission: the window with no healthy unit (its median) and the pods that failed (mean, most); the
-    handover's window beside the floor's break-before-make one (its stop -> allocatable back)."""
+    """Per upgrade (a restart as systemd makes it, a handover, a guarded one), pods arriving at a rate: the
+    window with no healthy unit (its median), a guarded one's cordon (its median), and the pods that failed
+    (mean, most); a handover's window beside the floor's break-before-make one (its stop -> allocatable
+    back)."""
     out = []
     for name, v in lost.items():
         target = ""
-        if name.startswith("handover"):
-            target = "0 with the guard; <= 1.4 (a tenth of 14 at 10/s, busy)" if "10/s" in name else ""
-        floor_window = pair(floor["allocatable"]) if name.startswith("handover") else ""
+        if name.startswith("handover") and "10/s" in name:
+            target = "<= 1.4 (a tenth of 14 at 10/s, busy)"
+        elif name.startswith("guarded"):
+            target = "0"
+        floor_window = pair(floor["allocatable"]) if name.startswith(("handover", "guarded")) else ""
         value = f"{v['lost_mean']:g} (most {v['lost_max']}) of {v['arrived_mean']:g}; window {_ms(v['window_ms'])}"
+        if v.get("cordon_ms"):
+            value += f", cordon {_ms(v['cordon_ms'])}"
         out.append((f"upgrade by {name}: pods lost", value, floor_window, target))
     return out
 

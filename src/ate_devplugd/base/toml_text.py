@@ -54,6 +54,12 @@ def _toml_key(key: str) -> str:
     return key if _BARE_KEY.match(key) else toml_str(key)
 
 
+def toml_setting(value: object) -> str:
+    """``value`` as a rendered config writes it: a string as a basic string (``toml_str``), anything else as
+    ``toml_value`` writes it."""
+    return toml_str(value) if isinstance(value, str) else toml_value(value)
+
+
 def toml_str(value: str) -> str:
     """A TOML basic string (double quotes), escaped so that it is one printable line that reads back to
     ``value``: what a rendered config writes."""

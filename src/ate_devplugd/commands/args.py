@@ -161,6 +161,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             help="hand the node over to a new process of the program on disk, as an upgrade does (the default "
             "when the program on disk is another version than the daemon's), instead of re-reading the config",
         )
+        reload.add_argument(
+            "--guard",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="run a handover inside switch-mode's cordon, so that no arriving pod is lost; the node takes no "
+            "new pods for its seconds, and it needs the [dra] table's credentials (default: the config's "
+            "handover_guard)",
+        )
 
     if wanted("switch-mode"):
         switch = command("switch-mode")

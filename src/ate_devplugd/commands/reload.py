@@ -12,7 +12,8 @@ names ``switch-mode``, which applies it (a plain restart loses the pods arriving
 
 A daemon of another version than this program (the package was upgraded under it), or ``--handover``:
 the daemon hands its node over to a new process of the program on disk instead (``commands.handover``), and
-the command says how that went, in one line either way.
+the command says how that went, in one line either way. With ``--guard``, or ``handover_guard = true`` in
+the config file, the handover runs inside switch-mode's cordon (``commands.guard``), each step said.
 
 A process given by ``--pid`` that announces no record (not an ate-devplugd of this version) is signalled all
 the same, and the command says what it can tell without one: the config file's own errors, as
@@ -34,10 +35,12 @@ from ate_devplugd import __version__
 from ate_devplugd import config as configmod
 from ate_devplugd.base import announce
 from ate_devplugd.base.logs import stderr_is_journal
-from ate_devplugd.commands import instance
+from ate_devplugd.commands import guard, instance
 from ate_devplugd.commands.findings import EXIT_FAILED
 from ate_devplugd.commands.handover import hand_over, send_signal
-from ate_devplugd.config import ConfigError
+from ate_devplugd.commands.switch_files import Host, HostFiles
+from ate_devplugd.commands.switch_move import Timing
+from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.reload import record
 from ate_devplugd.reload.result import Outcome, Result
 
@@ -58,11 +61,14 @@ def request(
     environ: Mapping[str, str] = os.environ,
     *,
     handover: bool = False,
+    guarded: bool | None = None,
 ) -> int:
     """Reload the daemon ``pid`` (None: ``$MAINPID``'s, else the one serving ``config_path``), or have it hand
-    over (``handover``, or a daemon of another version than this program: an upgrade); the exit status: 0
-    when it applied the config or handed over (or, announcing no record, when the file has no error), 1
-    when not, 69 (EX_UNAVAILABLE) when a handover was asked of a process that cannot make one."""
+    over (``handover``, or a daemon of another version than this program: an upgrade), under the guard
+    when ``guarded`` (None: as the config file's ``handover_guard`` says); the exit status: 0 when it
+    applied the config or handed over (or, announcing no record, when the file has no error), 1 when not,
+    69 (EX_UNAVAILABLE) when a handover was asked of a process that cannot make one; a guarded handover's
+    as switch-mode's (130/143: interrupted, the cordon kept)."""
     pid = pid if pid is not None else _main_pid(environ)
     if pid is not None:
         running = next((r for r in asyncio.run(instance.every()) if r.pid == pid), None)
@@ -77,8 +83,42 @@ def request(
             return _status(_fail(f"no running daemon to reload: {found.nobody()}; give --pid, or use systemctl reload"))
         running = found.running
     if handover or running.record.version != __version__:
-        return _status(_handed_over(running, timeout))
+        return _handover(running, config_path or running.record.source or None, timeout, guarded)
     return _status(_verdict(running, timeout))
+
+
+def _handover(running: instance.Running, path: str | None, timeout: float, guarded: bool | None) -> int:
+    """``running`` handed over, guarded or not: the exit status."""
+    guard_config, why = _guard_config(path, guarded)
+    if why:
+        return _status(_fail(why))
+    if guard_config is not None:
+        return _guarded(guard_config, path, timeout)
+    return _status(_handed_over(running, timeout))
+
+
+def _guard_config(path: str | None, guarded: bool | None) -> tuple[Config | None, str]:
+    """The config the guard runs with (None: no guard), or why a guard asked for cannot run."""
+    try:
+        cfg = configmod.load(path)
+    except ConfigError as exc:  # unguarded, the new process refuses the file itself and the daemon serves on
+        return None, f"cannot guard the handover: config error: {exc.errors[0]}" if guarded else ""
+    if not (cfg.handover_guard if guarded is None else guarded):
+        return None, ""
+    if cfg.dra is None:
+        return None, (
+            "cannot guard the handover: it needs the [dra] table (node_name, kubeconfig) for the credentials "
+            "it cordons the Node with, as switch-mode does"
+        )
+    return cfg, ""
+
+
+def _guarded(cfg: Config, path: str | None, timeout: float) -> int:
+    def say(line: str) -> None:
+        print(f"ate-devplugd: {line}", file=sys.stderr, flush=True)
+
+    host = Host(HostFiles(path or configmod.DEFAULT_CONFIG_PATH), say=say)
+    return asyncio.run(guard.guarded(cfg, host, Timing(), max(timeout, HANDOVER_TIMEOUT)))  # switch-mode's waits
 
 
 def _status(ok: bool) -> int:
@@ -189,4 +229,4 @@ def _fail(line: str) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     """``reload`` (before the config is read: the daemon reads it, and says what it found)."""
-    return request(args.config, args.pid, args.timeout, handover=args.handover)
+    return request(args.config, args.pid, args.timeout, handover=args.handover, guarded=args.guard)

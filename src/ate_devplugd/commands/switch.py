@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from ate_devplugd import config as configmod
 from ate_devplugd.commands import switch_move
 from ate_devplugd.commands.findings import config_error
-from ate_devplugd.commands.switch_files import Host, HostFiles, SwitchFailed, run_systemctl
-from ate_devplugd.commands.switch_move import EVENTS, STEPS, Switch, Timing
+from ate_devplugd.commands.switch_files import Host, HostFiles, NothingChanged, SwitchFailed, run_systemctl
+from ate_devplugd.commands.switch_move import EVENTS, STEPS, HandOver, Switch, Timing
 from ate_devplugd.config import Config, ConfigError
 from ate_devplugd.dra import kubeconfig
 from ate_devplugd.dra.apiclient import ApiError, ApiUnavailable
@@ -42,13 +42,15 @@ async def switch_mode(
     own: Config | None = None,
     interrupted: asyncio.Event | None = None,
     signals: Sequence[int] = (),
+    handover: HandOver | None = None,
 ) -> int:
     """The whole move and its exit status: 0 done; 1 failed (where the node stands is said); 128 + the
     signal when one of ``signals`` came (their handlers are set here), or 130 when the caller set
-    ``interrupted`` (a test's Ctrl-C)."""
+    ``interrupted`` (a test's Ctrl-C). With ``handover``, the run is a guarded handover (``commands.guard``)
+    toward the mode the node is in."""
     if config.dra is None:
         raise ConfigError(["dra: switch-mode needs the [dra] table (node_name, kubeconfig) in the config"])
-    switch = Switch(target, config, host, timing, own)
+    switch = Switch(target, config, host, timing, own, handover=handover)
     stop = interrupted or asyncio.Event()
     caught: list[int] = []
     loop = asyncio.get_running_loop()
@@ -81,7 +83,8 @@ async def switch_mode(
             run.result()
         except FAILURES as exc:
             text = "; ".join(exc.errors) if isinstance(exc, ConfigError) else str(exc)
-            await switch.ended(f"{text} ({at(switch.step)})")
+            where = "the cordon lifted" if isinstance(exc, NothingChanged) else at(switch.step)
+            await switch.ended(f"{text} ({where})")
             return 1
         return os.EX_OK
     finally:

@@ -57,6 +57,11 @@ class SwitchFailed(Exception):
     """A step did not complete; the message says which and why."""
 
 
+class NothingChanged(SwitchFailed):
+    """A step refused before it changed anything: the daemon serves on as it did (a guarded handover the
+    daemon refused), so the run lifts its own cordon before it says so."""
+
+
 async def run_systemctl(command: str, *args: str) -> None:
     """``systemctl ARGS`` (``command`` names the binary); SwitchFailed when it fails."""
     proc = await asyncio.create_subprocess_exec(command, *args)

@@ -12,6 +12,10 @@ has the why of each step):
    scheduler sees it, read after that record, showing the new path (``switch_path``);
 6. uncordon, only if we cordoned, and take our annotations off.
 
+A guarded handover (``commands.guard``) is the same run toward the mode the node is in, whose step 4 is the
+daemon's handover to a new process instead of the mode's change and the restart; a handover the daemon
+refused changed nothing, and the run lifts its own cordon before it says so.
+
 Each step is said on stdout and as a journal event; each is a no-op when already done, so the command
 may be run again after a failure. Where a move that did not finish leaves the node is ``switch_where``'s.
 The credentials are the ``[dra]`` kubeconfig's (kubelet's own by default): get and patch its own Node,
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ate_devplugd.base.logs import EventLog
@@ -41,6 +45,7 @@ from ate_devplugd.commands.switch_files import (
     TARGET_ANNOTATION,
     UNIT,
     Host,
+    NothingChanged,
 )
 from ate_devplugd.commands.switch_pods import dra_pods, pods_waiting
 from ate_devplugd.commands.switch_wait import Wait
@@ -64,6 +69,8 @@ EVENTS = (
     "switch-interrupted",
 )
 STEPS = 6
+#: A guarded handover's step 4: the handover, said in what it returns.
+HandOver = Callable[[], Awaitable[str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +82,20 @@ class Timing:
 class Switch:
     """One run of ``switch-mode`` toward ``target``."""
 
-    def __init__(self, target: str, config: Config, host: Host, timing: Timing, own: Config | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        config: Config,
+        host: Host,
+        timing: Timing,
+        own: Config | None = None,
+        *,
+        handover: HandOver | None = None,
+    ) -> None:
         assert config.dra is not None
         self.target = target
+        #: A guarded handover's step 4 (None: a move between the modes).
+        self._handover = handover
         self._config = config
         self._dra = config.dra
         self._host = host
@@ -96,16 +114,22 @@ class Switch:
     def node_name(self) -> str:
         return self._dra.node_name
 
+    @property
+    def name(self) -> str:
+        """What the run calls itself in its lines."""
+        return "handover" if self._handover is not None else f"switch-mode {self.target}"
+
     def _step(self, event: str, text: str) -> None:
-        self._host.say(f"switch-mode {self.target}: {text}")
-        self._events.info(event, "switch-mode %s: %s", self.target, text)
+        self._host.say(f"{self.name}: {text}")
+        self._events.info(event, "%s: %s", self.name, text)
 
     def _waiting(self, why: str) -> None:
-        self._host.say(f"switch-mode {self.target}: waiting: {why}")
+        self._host.say(f"{self.name}: waiting: {why}")
 
     async def ended(self, text: str, event: str = "switch-failed") -> None:
         """Say where a move that did not finish leaves the node, and the ways on."""
-        run = switch_where.Run(self.target, self.step, self.cordoned, self.node_name, self._host.files)
+        guarded = self._handover is not None
+        run = switch_where.Run(self.target, self.step, self.cordoned, self.node_name, self._host.files, guarded)
         lines = await switch_where.lines(run, text, self._config, self._api)
         for line in lines:
             self._host.say(line)
@@ -120,10 +144,10 @@ class Switch:
         self.cordoned = annotations.get(CORDON_ANNOTATION) == CORDON_VALUE and bool(
             (node.get("spec") or {}).get("unschedulable")
         )
-        if await self._done_already(node):
+        if self._handover is None and await self._done_already(node):
             return
         started = await self._check(node)
-        if started and await self._done_already(await self._node()):
+        if started and self._handover is None and await self._done_already(await self._node()):
             return
         await self._cordon()
         await self._settle()
@@ -172,7 +196,7 @@ class Switch:
             text = f"a move is under way (node {self.node_name} cordoned by switch-mode): step 4 restarts the daemon"
         else:
             started, text = await switch_check.daemon(self._config, self._host, self._timing.timeout, self._waiting)
-        if self.target == "dra":
+        if self.target == "dra" and self._handover is None:
             assert self._api is not None
             clients = [self._api]
             if self._own != self._dra.kubeconfig:
@@ -216,14 +240,20 @@ class Switch:
 
     async def _uncordon(self) -> None:
         self.step = 6
-        annotations = {CORDON_ANNOTATION: None, TARGET_ANNOTATION: None}
-        if not self.cordoned:
-            await self._patch_node({"metadata": {"annotations": {TARGET_ANNOTATION: None}}})
+        if not await self._lift():
             self._step("switch-done", f"6/{STEPS} done: {self.target} mode; the cordon is not ours, left in place")
             return
+        self._step("switch-done", f"6/{STEPS} uncordoned node {self.node_name}: done, {self.target} mode")
+
+    async def _lift(self) -> bool:
+        """Our annotations off, and the cordon too where it is ours: whether it was."""
+        if not self.cordoned:
+            await self._patch_node({"metadata": {"annotations": {TARGET_ANNOTATION: None}}})
+            return False
+        annotations = {CORDON_ANNOTATION: None, TARGET_ANNOTATION: None}
         await self._patch_node({"metadata": {"annotations": annotations}, "spec": {"unschedulable": False}})
         self.cordoned = False
-        self._step("switch-done", f"6/{STEPS} uncordoned node {self.node_name}: done, {self.target} mode")
+        return True
 
     # -- 3: no pod caught between the paths -----------------------------------------------------------
     async def _settle(self) -> None:
@@ -239,6 +269,8 @@ class Switch:
     async def _apply(self) -> switch_daemon.Restart | None:
         """The host changed; the restart (None: none was needed)."""
         self.step = 4
+        if self._handover is not None:
+            return await self._hand_over(self._handover)
         files = self._host.files
         changed, _ = switch_files.write_mode(files, self.target)
         text = f'config {files.config}: mode = "{self.target}"' + ("" if changed else " (already)")
@@ -261,6 +293,18 @@ class Switch:
             restart = switch_daemon.Restart.now(before)
             await self._host.systemctl("restart", UNIT)
             text += f"; {UNIT} restarted"
+        self._step("switch-applied", f"4/{STEPS} {text}")
+        return restart
+
+    async def _hand_over(self, handover: HandOver) -> switch_daemon.Restart:
+        """A guarded handover's step 4; one the daemon refused lifts the cordon (nothing was changed)."""
+        restart = switch_daemon.Restart.now(await instance.serving(self._config))
+        try:
+            text = await handover()
+        except NothingChanged:
+            await self._lift()
+            self.step = 0
+            raise
         self._step("switch-applied", f"4/{STEPS} {text}")
         return restart
 

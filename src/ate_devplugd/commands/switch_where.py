@@ -29,6 +29,12 @@ class Run(NamedTuple):
     cordoned: bool
     node_name: str
     files: HostFiles
+    #: A guarded handover (``commands.guard``: switch-mode's steps around it, the mode kept), not a move.
+    handover: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"the guarded handover ({self.target} mode)" if self.handover else f"switch-mode {self.target}"
 
 
 def other(mode: str) -> str:
@@ -40,7 +46,7 @@ async def lines(run: Run, why: str, config: Config, api: ApiClient | None) -> li
     node = await _node(run, api)
     if run.step <= 1 and not run.cordoned and node != "cordoned":
         return [
-            f"switch-mode {run.target} did not start: {why}",
+            f"{run.name} did not start: {why}",
             "nothing was changed: the node is not cordoned by switch-mode, the config and the daemon are as they were",
         ]
     cordon = {
@@ -48,11 +54,22 @@ async def lines(run: Run, why: str, config: Config, api: ApiClient | None) -> li
         "not cordoned": "not cordoned by switch-mode",
     }.get(node, node)
     return [
-        f"switch-mode {run.target} did not finish: {why}",
+        f"{run.name} did not finish: {why}",
         f"where the node stands: {cordon}; {_file(run.files)}; {await _daemon(config)}",
-        f"run `ate-devplugd switch-mode {run.target}` again to finish, or `ate-devplugd switch-mode "
-        f"{other(run.target)}` to go back (`ate-devplugd doctor` says the same)",
+        _ways(run),
     ]
+
+
+def _ways(run: Run) -> str:
+    if run.handover:  # switch-mode to the mode it is in: the cordon's steps to their end, a restart if none serves
+        return (
+            f"run `ate-devplugd switch-mode {run.target}` to finish: it starts the daemon if none serves, and lifts "
+            "the cordon once kubelet holds it (`ate-devplugd doctor` says the same)"
+        )
+    return (
+        f"run `ate-devplugd switch-mode {run.target}` again to finish, or `ate-devplugd switch-mode "
+        f"{other(run.target)}` to go back (`ate-devplugd doctor` says the same)"
+    )
 
 
 async def _node(run: Run, api: ApiClient | None) -> str:

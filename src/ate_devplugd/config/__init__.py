@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import posixpath
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
@@ -21,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ate_devplugd.base.look import Look, look
-from ate_devplugd.base.toml_text import toml_str, toml_value
+from ate_devplugd.base.toml_text import toml_setting, toml_value
 from ate_devplugd.config import device as device_config
-from ate_devplugd.config import host
+from ate_devplugd.config import host, toplevel
 from ate_devplugd.config.device import DeviceConfig, GroupLookup, host_gid, qualified_name
 
 if TYPE_CHECKING:
@@ -35,13 +34,14 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 DEFAULT_CDI_DIR = "/var/run/cdi"
 #: node_exporter's textfile directory on Debian, and our file in it.
 DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = toplevel.LOG_LEVELS
 #: Keys a reload cannot change: the plugin directory (the instance lock and the sockets' home), the mode
 #: and the ``[dra]`` table (a new mode would read the devices under other rules: DRA mode gives each a CDI
 #: spec).
 RESTART_ONLY = ("plugin_dir", "mode", "dra")
 #: The top-level keys, in the file's order.
-TOP_KEYS = ("plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket", "mode")
+TOP_KEYS: tuple[str, ...] = ("plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket")
+TOP_KEYS += ("mode", "handover_guard")
 
 __all__ = [
     "Config",
@@ -78,6 +78,9 @@ class Config:
     metrics_file: str = DEFAULT_METRICS_FILE
     #: The container runtime's CRI socket, asked whether it applies CDI; "" for the first usual one that exists.
     runtime_socket: str = ""
+    #: Every handover (an upgrade's too) runs under switch-mode's cordon, with the ``[dra]`` table's
+    #: credentials: no arriving pod lost, none taken for its seconds (``commands.guard``).
+    handover_guard: bool = False
     devices: tuple[DeviceConfig, ...] = field(default=DEFAULT_DEVICES)
     #: ``device-plugin`` (kubelet's device-plugin API) or ``dra`` (a DRA driver); never both at once.
     mode: str = "device-plugin"
@@ -110,9 +113,9 @@ Overrides = Mapping[str, "str | None"]
 def _overrides(given: Overrides, errors: list[str]) -> dict[str, Any]:
     """The overrides given, each checked as its option (``--plugin-dir``) is named."""
     checks: dict[str, Callable[[str, object, list[str]], str]] = {
-        "plugin_dir": _abs_dir,
-        "dev_root": _abs_dir,
-        "log_level": _log_level,
+        "plugin_dir": toplevel.abs_dir,
+        "dev_root": toplevel.abs_dir,
+        "log_level": toplevel.log_level,
     }
     return {
         key: checks[key]("--" + key.replace("_", "-"), value, errors)
@@ -205,13 +208,15 @@ def from_mapping(
     top: dict[str, Any] = {}
     for key in ("plugin_dir", "dev_root", "cdi_dir"):
         if key in data:
-            top[key] = _abs_dir(key, data[key], errors)
+            top[key] = toplevel.abs_dir(key, data[key], errors)
     if "log_level" in data:
-        top["log_level"] = _log_level("log_level", data["log_level"], errors)
+        top["log_level"] = toplevel.log_level("log_level", data["log_level"], errors)
     if "metrics_file" in data:
-        top["metrics_file"] = _metrics_file(data["metrics_file"], errors)
+        top["metrics_file"] = toplevel.metrics_file(data["metrics_file"], errors)
     if "runtime_socket" in data:
-        top["runtime_socket"] = _runtime_socket(data["runtime_socket"], errors)
+        top["runtime_socket"] = toplevel.runtime_socket(data["runtime_socket"], errors)
+    if "handover_guard" in data:
+        top["handover_guard"] = toplevel.boolean("handover_guard", data["handover_guard"], errors)
     top.update(_overrides(overrides or {}, errors))
     mode = "device-plugin"
     if "mode" in data or "dra" in data:
@@ -224,6 +229,11 @@ def from_mapping(
         if mode == "dra" or "dra" in data:
             top["dra"], dra_errors = dra_config.from_mapping(data.get("dra"), gethostname)
             errors.extend(dra_errors)
+    if top.get("handover_guard") and "dra" not in top:
+        errors.append(
+            "handover_guard: true needs the [dra] table (node_name, kubeconfig): the credentials the guard "
+            "cordons the Node with, as switch-mode does"
+        )
     # DRA hands a device to a container only through a CDI spec: in DRA mode every device has one.
     defaults = [{"resource": dev.resource, "path": dev.path} for dev in DEFAULT_DEVICES]
     devices = data.get("device", defaults if mode == "dra" else None)
@@ -263,56 +273,13 @@ def review(config: Config) -> Review:
     if config.dra is not None and config.mode != "dra":  # the setup of a node that switch-mode moves
         notes.append(
             "[dra]: in device-plugin mode it serves DRA unprepare only (for claims left on this node, where "
-            "dra-mode.conf is linked) and names the Node for switch-mode; nothing is published, and a reload "
-            "refuses any change to it (it changes only on restart)"
+            "dra-mode.conf is linked) and names the Node for switch-mode and the handover guard; nothing is "
+            "published, and a reload refuses any change to it (it changes only on restart)"
         )
     if config.devices_defaulted:
         default = ", ".join(f"{dev.resource} -> {dev.path}" for dev in config.devices)
         notes.append(f"no [[device]] table: serving the default {default}")
     return Review(tuple(warnings), tuple(notes))
-
-
-def _abs_dir(key: str, value: object, errors: list[str]) -> str:
-    if not isinstance(value, str):
-        errors.append(f"{key}: must be a string, not {toml_value(value)}")
-    elif not value.startswith("/") or "\0" in value:
-        errors.append(f"{key}: must be an absolute path, not {toml_value(value)}")
-    else:
-        return posixpath.normpath(value)
-    return ""
-
-
-def _metrics_file(value: object, errors: list[str]) -> str:
-    if value == "":
-        return ""
-    if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
-        errors.append(f'metrics_file: must be an absolute path or "" (off), not {toml_value(value)}')
-    elif not value.endswith(".prom") or posixpath.basename(value) == ".prom":
-        errors.append(
-            f"metrics_file: {toml_value(value)} must name a *.prom file "
-            "(the only files node_exporter's textfile collector reads)"
-        )
-    else:
-        return posixpath.normpath(value)
-    return ""
-
-
-def _runtime_socket(value: object, errors: list[str]) -> str:
-    if value == "":
-        return ""
-    if not (isinstance(value, str) and value.startswith("/") and "\0" not in value):
-        errors.append(
-            f'runtime_socket: must be an absolute path or "" (the usual runtime sockets), not {toml_value(value)}'
-        )
-        return ""
-    return posixpath.normpath(value)
-
-
-def _log_level(key: str, value: object, errors: list[str]) -> str:
-    if isinstance(value, str) and value.lower() in LOG_LEVELS:
-        return value.lower()
-    errors.append(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {toml_value(value)}")
-    return "info"
 
 
 def values(config: Config) -> dict[str, Any]:
@@ -330,7 +297,7 @@ def values(config: Config) -> dict[str, Any]:
 
 def render(config: Config) -> str:
     """The effective configuration, as TOML that ``parse`` reads back to the same Config."""
-    lines = [f"{key} = {toml_str(getattr(config, key))}" for key in TOP_KEYS]
+    lines = [f"{key} = {toml_setting(getattr(config, key))}" for key in TOP_KEYS]
     for dev in config.devices:
         lines += ["", *device_config.render(dev)]
     if config.dra is not None:

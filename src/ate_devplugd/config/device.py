@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.base.toml_text import toml_str, toml_value
+from ate_devplugd.base.toml_text import toml_setting, toml_str, toml_value
 
 DEFAULT_COUNT = 4096
 #: Upper bound on units per resource. The ListAndWatch message must also fit in MAX_MESSAGE_BYTES.
@@ -342,7 +342,7 @@ def render(dev: DeviceConfig) -> list[str]:
     """The table as TOML lines (its ``values``), with the host's gid beside a group name."""
     lines = ["[[device]]"]
     for key, value in values(dev).items():
-        text = toml_str(value) if isinstance(value, str) else toml_value(value, octal=key == "container_mode")
+        text = toml_value(value, octal=True) if key == "container_mode" else toml_setting(value)
         gid = key == "container_gid" and dev.container_group is not None
         lines.append(f"{key} = {text}" + (f"  # gid {dev.container_gid} here" if gid else ""))
     return lines

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ate_devplugd.base.toml_text import toml_str, toml_value
+from ate_devplugd.base.toml_text import toml_setting, toml_value
 from ate_devplugd.base.unixsock import staging_path
 from ate_devplugd.config.device import is_dns_subdomain
 
@@ -180,7 +180,7 @@ def render(config: DraConfig) -> str:
     for key, value in values(config).items():
         if key == "devices" and config.sharing is None:
             lines += FOLLOWS_CLUSTER
-        lines.append(f"{key} = {toml_str(value) if isinstance(value, str) else toml_value(value)}")
+        lines.append(f"{key} = {toml_setting(value)}")
     if config.sharing is not Layout.UNITS:
         lines += SHARED_LIMITATION
     return "\n".join(lines) + "\n"
