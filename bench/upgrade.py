@@ -50,21 +50,26 @@ async def _window(kubelet: FakeKubelet, since: float) -> float:
                 return ev.t - ended
 
 
-async def one(kind: str, rate: float, config: Path, base: Path, seed: int) -> dict[str, float]:
+async def one(kind: str, rate: float, plugin_dir: Path, dev_root: Path, seed: int) -> dict[str, float]:
     """One upgrade of ``kind`` (of KINDS) with pods arriving at ``rate``: its window, cordon and pods."""
-    kubelet = FakeKubelet(config.parent / "device-plugins", jitter=0.0)
+    base = plugin_dir.parent
+    kubelet = FakeKubelet(plugin_dir, jitter=0.0)
     await kubelet.start()
     cluster = Cluster(kubelet, base, rate, seed) if kind == "guarded" else None
+    pods = Arrivals(kubelet, rate) if cluster is None else None
     stack = contextlib.AsyncExitStack()
     try:
         if cluster is not None:
             await cluster.start()
-            config = _config(base, config.parent / "device-plugins", Path(_dev_root(config)), cluster)
+        config = _config(base, plugin_dir, dev_root, cluster)
         svc = await stack.enter_async_context(service(config, base))
         await svc.ready()
         await kubelet.next_event("list", resource=RESOURCE, timeout=60)
-        pods = Arrivals(kubelet, rate)
-        pods.start() if cluster is None else cluster.arrive()
+        if pods is not None:
+            pods.start()
+        else:
+            assert cluster is not None
+            cluster.arrive()
         await asyncio.sleep(MARGIN)  # pods arriving before the upgrade: load, not a wait for an event
         kubelet.drain()
         began = time.monotonic()
@@ -78,11 +83,12 @@ async def one(kind: str, rate: float, config: Path, base: Path, seed: int) -> di
             await stack.enter_async_context(service(config, base))
         window = await _window(kubelet, began)
         await asyncio.sleep(MARGIN)  # pods arriving after it: load, not a wait for an event
-        if cluster is not None:
+        if pods is not None:
+            failed, arrived, cordon = len(await pods.stop()), len(pods.outcomes), 0.0
+        else:
+            assert cluster is not None
             failed = len(await cluster.stop_arriving(timeout=120))
             arrived, cordon = len(cluster.pods), sum(cluster.cordons)
-        else:
-            failed, arrived, cordon = len(await pods.stop()), len(pods.outcomes), 0.0
         return {"window_ms": window * 1000, "cordon_ms": cordon * 1000, "arrived": arrived, "failed": failed}
     finally:
         await stack.aclose()
@@ -91,7 +97,7 @@ async def one(kind: str, rate: float, config: Path, base: Path, seed: int) -> di
         await kubelet.stop()
 
 
-def _config(base: Path, plugin_dir: Path, dev_root: Path, cluster: Cluster | None = None) -> Path:
+def _config(base: Path, plugin_dir: Path, dev_root: Path, cluster: Cluster | None) -> Path:
     """The daemon's config: plain, or with the guard on and the cluster's credentials."""
     guard = "handover_guard = true\n" if cluster is not None else ""
     config = base / ("guarded.toml" if cluster is not None else "upgrade.toml")
@@ -103,21 +109,16 @@ def _config(base: Path, plugin_dir: Path, dev_root: Path, cluster: Cluster | Non
     return config
 
 
-def _dev_root(config: Path) -> str:
-    return next(line.split('"')[1] for line in config.read_text().splitlines() if line.startswith("dev_root"))
-
-
 async def losses(base: Path, dev_root: Path, reps: int) -> dict[str, Any]:
     """Per kind, rate and machine: the window (median) and the pods that failed per upgrade (mean, max)."""
     plugin_dir = base / "device-plugins"
     plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-    config = _config(base, plugin_dir, dev_root)
     out: dict[str, Any] = {}
     for machine in ("quiet", "overcommitted"):
         with cpu_overcommit() if machine == "overcommitted" else contextlib.nullcontext():
             for kind in KINDS:
                 for rate in RATES:
-                    runs = [await one(kind, rate, config, base, seed) for seed in range(reps)]
+                    runs = [await one(kind, rate, plugin_dir, dev_root, seed) for seed in range(reps)]
                     out[f"{kind} {rate:g}/s {machine}"] = {
                         "window_ms": round(statistics.median(r["window_ms"] for r in runs), 1),
                         "cordon_ms": round(statistics.median(r["cordon_ms"] for r in runs), 1),

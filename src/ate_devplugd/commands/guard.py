@@ -20,7 +20,7 @@ from __future__ import annotations
 import signal
 
 from ate_devplugd.commands import instance, switch
-from ate_devplugd.commands.handover import hand_over
+from ate_devplugd.commands.handover import hand_over_said
 from ate_devplugd.commands.switch_files import Host, NothingChanged, SwitchFailed
 from ate_devplugd.commands.switch_move import Timing
 from ate_devplugd.config import Config
@@ -32,25 +32,13 @@ async def guarded(config: Config, host: Host, timing: Timing, timeout: float, *,
     """The guarded handover of the daemon serving ``config`` (the handover itself within ``timeout``
     seconds); its exit status as ``switch-mode``'s: 0, 1, or 128 + a signal of ``SIGNALS``."""
 
-    async def step() -> str:
-        running = await instance.serving(config)
+    async def step(running: instance.Running | None) -> str:
         if running is None:
             raise SwitchFailed("no daemon serves the config any more: nothing to hand over")
-        try:
-            handed = await hand_over(running, timeout)
-        except ProcessLookupError:
-            raise SwitchFailed(f"no process {running.pid} is running") from None
-        except PermissionError:
-            raise NothingChanged(f"cannot signal process {running.pid}: permission denied (run as root)") from None
-        if handed.failure is not None and handed.serving_on:
-            on = f"the daemon (pid {running.pid}, {running.record.version}) serves on"
-            raise NothingChanged(f"{handed.failure}; {on}")
-        if handed.failure is not None:
-            raise SwitchFailed(handed.failure)
-        return (
-            f"handed over from pid {running.pid} ({running.record.version}) to pid {handed.successor} "
-            f"({handed.version}): kubelet holds it {handed.took * 1000:.0f} ms after the request"
-        )
+        said = await hand_over_said(running, timeout)
+        if said.done:
+            return said.line
+        raise NothingChanged(said.line) if said.serving_on else SwitchFailed(said.line)
 
     return await switch.switch_mode(
         config.mode, config, host, timing, signals=SIGNALS if signals else (), handover=step

@@ -35,6 +35,36 @@ class Handed(NamedTuple):
     took: float = 0.0
 
 
+class Said(NamedTuple):
+    """A handover as the commands say it: their line; whether the successor serves; whether the daemon
+    serves on as before (it refused, or was never signalled: nothing was changed)."""
+
+    line: str
+    done: bool
+    serving_on: bool = False
+
+
+async def hand_over_said(running: instance.Running, timeout: float) -> Said:
+    """``hand_over``, its end in the line ``reload`` and the guard give (a refused signal included)."""
+    try:
+        handed = await hand_over(running, timeout)
+    except ProcessLookupError:
+        return Said(f"no daemon to hand over: no process {running.pid} is running", done=False)
+    except PermissionError:
+        line = f"cannot signal process {running.pid}: permission denied (run as root)"
+        return Said(line, done=False, serving_on=True)
+    except OSError:
+        return Said(f"the daemon (pid {running.pid}) ended before it handed over", done=False)
+    if handed.failure is not None:
+        on = f"; the daemon (pid {running.pid}, {running.record.version}) serves on" if handed.serving_on else ""
+        return Said(handed.failure + on, done=False, serving_on=handed.serving_on)
+    return Said(
+        f"handed over from pid {running.pid} ({running.record.version}) to pid {handed.successor} "
+        f"({handed.version}): kubelet holds it {handed.took * 1000:.0f} ms after the request",
+        done=True,
+    )
+
+
 def held(rec: Instance) -> bool:
     """Ready, and kubelet holds every resource it serves."""
     return rec.ready and bool(rec.serving) and all(s.registered for s in rec.serving)

@@ -37,7 +37,7 @@ from ate_devplugd.base import announce
 from ate_devplugd.base.logs import stderr_is_journal
 from ate_devplugd.commands import guard, instance
 from ate_devplugd.commands.findings import EXIT_FAILED
-from ate_devplugd.commands.handover import hand_over, send_signal
+from ate_devplugd.commands.handover import hand_over_said, send_signal
 from ate_devplugd.commands.switch_files import Host, HostFiles
 from ate_devplugd.commands.switch_move import Timing
 from ate_devplugd.config import Config, ConfigError
@@ -127,22 +127,10 @@ def _status(ok: bool) -> int:
 
 def _handed_over(running: instance.Running, timeout: float) -> bool:
     """Have ``running`` hand over, and tell how it went (a line either way)."""
-    try:
-        handed = asyncio.run(hand_over(running, max(timeout, HANDOVER_TIMEOUT)))
-    except ProcessLookupError:
-        return _fail(f"no daemon to hand over: no process {running.pid} is running")
-    except PermissionError:
-        return _fail(f"cannot signal process {running.pid}: permission denied (run as root)")
-    except OSError:
-        return _fail(f"the daemon (pid {running.pid}) ended before it handed over")
-    if handed.failure is not None:
-        on = f"; the daemon (pid {running.pid}, {running.record.version}) serves on" if handed.serving_on else ""
-        return _fail(handed.failure + on)
-    print(
-        f"ate-devplugd: handed over from pid {running.pid} ({running.record.version}) to pid {handed.successor} "
-        f"({handed.version}): kubelet holds it {handed.took * 1000:.0f} ms after the request",
-        file=sys.stderr,
-    )
+    said = asyncio.run(hand_over_said(running, max(timeout, HANDOVER_TIMEOUT)))
+    if not said.done:
+        return _fail(said.line)
+    print(f"ate-devplugd: {said.line}", file=sys.stderr)
     return True
 
 

@@ -69,8 +69,9 @@ EVENTS = (
     "switch-interrupted",
 )
 STEPS = 6
-#: A guarded handover's step 4: the handover, said in what it returns.
-HandOver = Callable[[], Awaitable[str]]
+#: A guarded handover's step 4: the handover of the daemon serving the config (None: none does), said in
+#: what it returns.
+HandOver = Callable[[instance.Running | None], Awaitable[str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,9 +299,10 @@ class Switch:
 
     async def _hand_over(self, handover: HandOver) -> switch_daemon.Restart:
         """A guarded handover's step 4; one the daemon refused lifts the cordon (nothing was changed)."""
-        restart = switch_daemon.Restart.now(await instance.serving(self._config))
+        running = await instance.serving(self._config)
+        restart = switch_daemon.Restart.now(running)
         try:
-            text = await handover()
+            text = await handover(running)
         except NothingChanged:
             await self._lift()
             self.step = 0

@@ -34,14 +34,21 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 DEFAULT_CDI_DIR = "/var/run/cdi"
 #: node_exporter's textfile directory on Debian, and our file in it.
 DEFAULT_METRICS_FILE = "/var/lib/prometheus/node-exporter/ate-devplugd.prom"
-LOG_LEVELS = toplevel.LOG_LEVELS
 #: Keys a reload cannot change: the plugin directory (the instance lock and the sockets' home), the mode
 #: and the ``[dra]`` table (a new mode would read the devices under other rules: DRA mode gives each a CDI
 #: spec).
 RESTART_ONLY = ("plugin_dir", "mode", "dra")
 #: The top-level keys, in the file's order.
-TOP_KEYS: tuple[str, ...] = ("plugin_dir", "dev_root", "log_level", "cdi_dir", "metrics_file", "runtime_socket")
-TOP_KEYS += ("mode", "handover_guard")
+TOP_KEYS = (
+    "plugin_dir",
+    "dev_root",
+    "log_level",
+    "cdi_dir",
+    "metrics_file",
+    "runtime_socket",
+    "mode",
+    "handover_guard",
+)
 
 __all__ = [
     "Config",
